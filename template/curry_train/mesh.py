@@ -1,0 +1,71 @@
+"""Topology: the parallel sizes as an explicit, validated object, and the named DeviceMesh built from it.
+
+Rank layout (tp fastest, so a TP group sits inside one node, pp slowest, so stages cross nodes):
+    rank = ((pp_i * dp + dp_i) * cp + cp_i) * tp + tp_i
+Size-1 axes are the identity, so the single-device reference and every parallel run share one code path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .config import Config, validate_config
+
+AXES = ("pp", "dp", "cp", "tp")
+
+
+@dataclass(frozen=True)
+class Topology:
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1  # carved from dp: experts are sharded over ep of the dp ranks
+
+    def __post_init__(self) -> None:
+        for axis in (*AXES, "ep"):
+            if getattr(self, axis) < 1:
+                raise ValueError(f"{axis}={getattr(self, axis)} must be >= 1")
+        if self.dp % self.ep:
+            raise ValueError(f"ep={self.ep} must divide dp={self.dp} (EP is carved from the data-parallel ranks)")
+
+    @classmethod
+    def from_config(cls, cfg: Config) -> "Topology":
+        validate_config(cfg)
+        p = cfg.parallel
+        return cls(dp=p.dp, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep)
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp * self.cp * self.tp
+
+    def coords(self, rank: int) -> dict[str, int]:
+        """Mesh coordinates of a global rank, e.g. {"pp": 0, "dp": 1, "cp": 0, "tp": 1}."""
+        out = {}
+        for axis in reversed(AXES):
+            size = getattr(self, axis)
+            out[axis] = rank % size
+            rank //= size
+        return {a: out[a] for a in AXES}
+
+
+def device_type(cfg: Config) -> str:
+    """`hardware.device` resolved: auto picks cuda only when torch sees a GPU."""
+    if cfg.hardware.device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return cfg.hardware.device
+
+
+def build_mesh(topo: Topology, device: str):
+    """4-D DeviceMesh named ("pp", "dp", "cp", "tp"); every rank must call it (it creates every sub-group)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device, (topo.pp, topo.dp, topo.cp, topo.tp), mesh_dim_names=AXES)
+
+
+def dp_cp_mesh(mesh):
+    """The 1-D mesh over which gradients are averaged: data-parallel ranks and context-parallel ranks together
+    (CP ranks hold different tokens of the same sequences, so their gradients are summed like DP's)."""
+    return mesh["dp", "cp"]._flatten("dp_cp")

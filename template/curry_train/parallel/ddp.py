@@ -1,0 +1,26 @@
+"""DDP: replicate the model on every dp x cp rank and average gradients with bucketed all-reduces.
+
+Li et al. 2020, "PyTorch Distributed: Experiences on Accelerating Data Parallel Training" (VLDB), §3.2:
+gradients are all-reduced in buckets during backward, overlapping communication with the rest of backward.
+ZeRO-1 (parallel/zero.py) keeps this wrapper and shards only the optimizer state.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from ..config import Config
+from ..mesh import dp_cp_mesh
+
+
+def apply_ddp(model: nn.Module, mesh: Any, cfg: Config) -> nn.Module:
+    """Wrap `model` in DDP over the dp x cp ranks. Returns the wrapper (names gain a `module.` prefix).
+
+    CPU: no device_ids. CUDA: the module already lives on this rank's device, which DDP infers.
+    """
+    group = dp_cp_mesh(mesh).get_group()
+    # broadcast_buffers=False: the only buffers are the RoPE tables, identical on every rank by construction.
+    return DistributedDataParallel(model, process_group=group, broadcast_buffers=False)

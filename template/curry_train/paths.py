@@ -1,0 +1,103 @@
+"""Where configs and runs live, and the only names a tool argument may turn into a path.
+
+The project root is, in order: an explicit `root` argument, the current directory if it holds `configs/`, else the
+checkout this package was installed from (editable install). Tools only ever write under `<root>/configs/` and
+`<root>/runs/`, through `config_path()` / `run_dir()`, which accept restricted names, never paths.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+from pathlib import Path
+
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+# Windows device names: a config called "con" cannot be created on a shared drive.
+RESERVED = {"con", "prn", "aux", "nul", *(f"com{i}" for i in range(10)), *(f"lpt{i}" for i in range(10))}
+
+
+class UnsafeName(ValueError):
+    """A config name or run id that is not a plain safe name."""
+
+
+def check_name(name: object, what: str = "name") -> str:
+    """A plain file name: letters, digits, `_`, `.`, `-`; no path separators, no `..`, <= 64 chars."""
+    if not isinstance(name, str) or not NAME_RE.match(name) or ".." in name:
+        raise UnsafeName(
+            f"{what} {name!r} is not allowed: use 1-64 letters, digits, '_', '.', '-' (no '/', no '..'), "
+            "e.g. 'tiny' or 'my-run.2'"
+        )
+    if name.split(".")[0].lower() in RESERVED:
+        raise UnsafeName(f"{what} {name!r} is a reserved device name; pick another")
+    return name
+
+
+def project_root(root: str | Path | None = None) -> Path:
+    if root is not None:
+        return Path(root).resolve()
+    cwd = Path.cwd()
+    if (cwd / "configs").is_dir():
+        return cwd.resolve()
+    return Path(__file__).resolve().parents[2]  # template/curry_train/paths.py -> checkout root
+
+
+def configs_dir(root: str | Path | None = None) -> Path:
+    return project_root(root) / "configs"
+
+
+def runs_dir(root: str | Path | None = None) -> Path:
+    d = project_root(root) / "runs"
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def _inside(path: Path, parent: Path) -> Path:
+    """Refuse anything that resolves outside `parent` (a symlink pointing out, say)."""
+    resolved = path.resolve()
+    if resolved != parent.resolve() and parent.resolve() not in resolved.parents:
+        raise UnsafeName(f"{path} resolves outside {parent}; refusing")
+    return path
+
+
+def config_path(name: str, root: str | Path | None = None) -> Path:
+    """configs/<name>.yaml for a config name such as 'tiny' (a trailing .yaml is accepted)."""
+    name = name[:-5] if isinstance(name, str) and name.endswith(".yaml") else name
+    check_name(name, "config name")
+    d = configs_dir(root)
+    return _inside(d / f"{name}.yaml", d)
+
+
+def run_dir(run_id: str, root: str | Path | None = None) -> Path:
+    check_name(run_id, "run id")
+    d = runs_dir(root)
+    return _inside(d / run_id, d)
+
+
+def resolve_config_arg(arg: str, root: str | Path | None = None) -> Path:
+    """CLI `--config`: a path to an existing YAML file (read-only use), or a config name under configs/."""
+    p = Path(arg)
+    if p.suffix in (".yaml", ".yml") and p.is_file():
+        return p
+    return config_path(arg, root)
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write-then-rename in the same folder, fsync'd: a reader sees the old file or the new one, never half."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    dfd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
