@@ -203,6 +203,25 @@ def check(cfg: Config) -> list[Problem]:
             bad(["train.global_batch", "train.micro_batch", "parallel.pp"],
                 f"{p.pp_schedule} needs the micro-batch count ({n_micro}) to be a multiple of pp={p.pp}",
                 f"use global_batch a multiple of {p.pp * p.dp * t.micro_batch}")
+    if p.dp * p.cp > 1 and p.zero < 2 and p.tp > 1:  # DDP's bucketed all-reduce takes plain tensors only
+        bad(["parallel.zero", "parallel.tp"], f"zero={p.zero} wraps the model in DDP, which cannot hold "
+            "tensor-parallel (DTensor) parameters", "use parallel.zero=2 or 3 with tp (FSDP2 shards the TP "
+            "shards along dp, as torchtitan does)")
+    if p.dp * p.cp > 1 and p.zero < 2 and p.pp > 1 and p.pp_schedule == "zero_bubble":
+        bad(["parallel.zero", "parallel.pp_schedule"], f"zero={p.zero} (DDP) all-reduces when the last "
+            "micro-batch's backward ends, but zero_bubble runs some weight-gradient passes after it (gradients "
+            "would be wrong)", "use parallel.zero=2 or 3 with zero_bubble, or pp_schedule=interleaved_1f1b")
+    if m.num_experts and p.ep > 1 and p.zero == 1 and p.dp * p.cp > 1:
+        bad(["parallel.zero", "parallel.ep"], "ZeRO-1 (ZeroRedundancyOptimizer) broadcasts every updated "
+            "parameter from its owner, which would overwrite one EP rank's experts with another's",
+            "use parallel.zero=0 (DDP) or 2/3 (FSDP, experts sharded over the expert-data-parallel ranks)")
+    if m.num_experts and p.tp > 1:
+        bad(["model.num_experts", "parallel.tp"], "tensor parallel inside the experts (expert-TP) is not "
+            "implemented; the TP plan covers dense MLPs only", "shard experts with parallel.ep instead of tp")
+    if m.num_experts and p.pp > 1 and m.aux_loss_coef + m.z_loss_coef > 0:
+        bad(["model.num_experts", "parallel.pp", "model.aux_loss_coef"], "the pipeline schedule's loss sees only "
+            "the last stage's output, so the router's auxiliary losses on earlier stages would get no gradient",
+            "use pp=1 for MoE (add ep instead), or set aux_loss_coef=0 and z_loss_coef=0")
     nodes_gpus = h.gpus_per_node * h.nodes
     if cfg.world_size > nodes_gpus:
         bad(["hardware.gpus_per_node", "hardware.nodes"],

@@ -60,4 +60,7 @@ def micro_batches(cfg: Config, inputs: torch.Tensor, targets: torch.Tensor, dp_r
     pos = cp_positions(cfg.train.seq_len, cfg.parallel.cp, cp_rank)
     for m in range(n):
         lo = dp_rank * per_rank + m * mb
-        yield inputs[lo : lo + mb][:, pos], targets[lo : lo + mb][:, pos], pos
+        x, y = inputs[lo : lo + mb], targets[lo : lo + mb]  # [mb, T]
+        if cfg.parallel.cp > 1:
+            x, y = x[:, pos], y[:, pos]  # [mb, T/cp]: this rank's head and tail chunks
+        yield x, y, pos

@@ -69,3 +69,19 @@ def dp_cp_mesh(mesh):
     """The 1-D mesh over which gradients are averaged: data-parallel ranks and context-parallel ranks together
     (CP ranks hold different tokens of the same sequences, so their gradients are summed like DP's)."""
     return mesh["dp", "cp"]._flatten("dp_cp")
+
+
+def ep_meshes(mesh, ep: int):
+    """(ep mesh, edp_cp mesh) for expert parallelism, carved from the dp axis (cached on `mesh`).
+
+    dp is unflattened into ("edp", "ep") with ep fastest, so ep *consecutive* dp ranks form an EP group and
+    hold all E experts between them. "edp_cp" = the ranks holding the *same* experts (dp/ep of them per cp
+    rank, times cp): expert gradients are summed there, while the other parameters use dp_cp_mesh.
+    Every rank must call this, in the same order (it creates process groups; torch-cpu-distributed.md quirk 4).
+    """
+    cache = mesh.__dict__.setdefault("_curry_ep_meshes", {})
+    if ep not in cache:
+        dp = mesh["dp"].size()
+        full = mesh._unflatten("dp", (dp // ep, ep), ("edp", "ep"))  # ("pp", "edp", "ep", "cp", "tp")
+        cache[ep] = (full["ep"], full["edp", "cp"]._flatten("edp_cp"))
+    return cache[ep]

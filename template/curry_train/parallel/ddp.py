@@ -21,6 +21,11 @@ def apply_ddp(model: nn.Module, mesh: Any, cfg: Config) -> nn.Module:
 
     CPU: no device_ids. CUDA: the module already lives on this rank's device, which DDP infers.
     """
+    from .expert_parallel import exclude_experts_from_ddp, sync_expert_grads
+
     group = dp_cp_mesh(mesh).get_group()
+    exclude_experts_from_ddp(model)  # EP: expert shards differ per rank; reduced over edp by sync_expert_grads
     # broadcast_buffers=False: the only buffers are the RoPE tables, identical on every rank by construction.
-    return DistributedDataParallel(model, process_group=group, broadcast_buffers=False)
+    ddp = DistributedDataParallel(model, process_group=group, broadcast_buffers=False)
+    sync_expert_grads(ddp, mesh, cfg)  # EP (expert_parallel.py): no-op without sharded experts
+    return ddp

@@ -1,0 +1,150 @@
+"""Every collective torch lacks as a module: autograd all-to-all (expert parallel), ring exchange (context
+parallel), and the small non-differentiable helpers (count exchange, gathers, gradient reductions).
+
+    .venv/bin/pytest tests/parallel/test_expert_parallel.py tests/parallel/test_context_parallel.py
+
+Math modules never call torch.distributed; they call these. Every function takes the process group explicitly
+(no global state) and is the identity on a size-1 group, so the single-device reference runs the same code.
+Device-agnostic: gloo on CPU, NCCL on CUDA; nothing here names a device.
+
+Shape legend: S rows sent, R rows received, D feature dims (any trailing shape), W group size.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+def group_size(group: Any) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+# --------------------------------------------------------------------------- all-to-all (expert parallel)
+
+
+class AllToAll(torch.autograd.Function):
+    """all_to_all_single with uneven splits (GShard, Lepikhin et al. 2020, §2.2 dispatch / combine).
+
+    Forward: rank r sends rows [sum(in_splits[:j]), +in_splits[j]) of x [S, D] to rank j and receives
+    out_splits[j] rows from rank j, concatenated in rank order -> [R, D].
+    Backward: the transposed exchange (out_splits and in_splits swap roles), so gradients return to the rows
+    they came from. The list form `all_to_all` rejects uneven shapes on gloo (torch-cpu-distributed.md quirk 3).
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: Any) -> torch.Tensor:
+        ctx.splits, ctx.group = (out_splits, in_splits), group
+        out = x.new_empty((sum(out_splits), *x.shape[1:]))  # [R, D]
+        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        out_splits, in_splits = ctx.splits
+        gx = grad.new_empty((sum(in_splits), *grad.shape[1:]))  # [S, D]
+        dist.all_to_all_single(gx, grad.contiguous(), in_splits, out_splits, group=ctx.group)
+        return gx, None, None, None
+
+
+def all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: Any) -> torch.Tensor:
+    """Differentiable uneven all-to-all; the identity on a size-1 group."""
+    if group_size(group) == 1:
+        return x
+    return AllToAll.apply(x, out_splits, in_splits, group)
+
+
+def exchange_counts(counts: torch.Tensor, group: Any) -> torch.Tensor:
+    """Even all-to-all of integer counts [W * k] -> [W * k]: block j of the result is what rank j sends here.
+
+    Runs before the token all-to-all so every rank knows its receive split sizes (not differentiable).
+    """
+    if group_size(group) == 1:
+        return counts
+    out = torch.empty_like(counts)
+    dist.all_to_all_single(out, counts.contiguous(), group=group)
+    return out
+
+
+# --------------------------------------------------------------------------- gathers and gradient reductions
+
+
+def all_gather_dim0(t: torch.Tensor, group: Any) -> torch.Tensor:
+    """Concatenate every rank's t [n, ...] along dim 0 in group-rank order -> [W * n, ...] (not differentiable;
+    used to map expert shards back to the reference's full [E, ...] shape)."""
+    if group_size(group) == 1:
+        return t
+    t = t.contiguous()
+    out = t.new_empty((group_size(group) * t.shape[0], *t.shape[1:]))
+    dist.all_gather_single(out, t, group=group)
+    return out
+
+
+@torch.no_grad()
+def all_reduce_sum_scaled_(tensors: list[torch.Tensor], group: Any, scale: float) -> None:
+    """In place: t <- scale * sum over the group of t, for every t, in one flattened all-reduce (one collective
+    per call keeps the ranks' collective sequences trivially aligned)."""
+    if not tensors:
+        return
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    if group_size(group) > 1:
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+    flat.mul_(scale)
+    offset = 0
+    for t in tensors:
+        n = t.numel()
+        t.copy_(flat[offset : offset + n].view_as(t))
+        offset += n
+
+
+@torch.no_grad()
+def all_reduce_sum_(t: torch.Tensor, group: Any) -> torch.Tensor:
+    """In place sum over the group (diagnostics: counts, FLOPs); returns t."""
+    if group_size(group) > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+    return t
+
+
+# --------------------------------------------------------------------------- ring exchange (context parallel)
+
+
+class RingExchange:
+    """Asynchronous shift around a ring: send to group rank r+1, receive from r-1 (Liu et al. 2023, "Ring
+    Attention with Blockwise Transformers", §3: the next block's transfer overlaps this block's compute).
+
+    `start(t)` posts the isend/irecv pair and returns at once; `wait()` returns the received tensor.
+    Used inside context_parallel.RingAttention's forward *and* backward, which run the same number of shifts
+    on every rank, so the pairs always match (the hang of quirk 2 needs shifts that some rank skips).
+    """
+
+    def __init__(self, group: Any):
+        self.group = group
+        size, rank = dist.get_world_size(group), dist.get_rank(group)
+        self.send_to = dist.get_global_rank(group, (rank + 1) % size)
+        self.recv_from = dist.get_global_rank(group, (rank - 1) % size)
+        self._works: list[Any] = []
+        self._buf: torch.Tensor | None = None
+
+    def start(self, t: torch.Tensor) -> None:
+        assert not self._works, "wait() for the previous shift first"
+        t = t.contiguous()
+        self._buf = torch.empty_like(t)
+        ops = [
+            dist.P2POp(dist.isend, t, self.send_to, self.group),
+            dist.P2POp(dist.irecv, self._buf, self.recv_from, self.group),
+        ]
+        self._works = dist.batch_isend_irecv(ops)
+        self._sent = t  # keep the send buffer alive until the transfer completes
+
+    def wait(self) -> torch.Tensor:
+        for w in self._works:
+            w.wait()
+        self._works, self._sent = [], None
+        out, self._buf = self._buf, None
+        return out
+
+    def shift(self, t: torch.Tensor) -> torch.Tensor:
+        self.start(t)
+        return self.wait()

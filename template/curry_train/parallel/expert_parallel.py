@@ -1,0 +1,133 @@
+"""Expert parallel: shard each MoE layer's experts over an EP group carved from the data-parallel ranks.
+
+    curry-train whitebox --config configs/tiny-moe.yaml --set parallel.dp=2 --set parallel.ep=2 --json
+
+Shape legend: E experts, El = E / ep experts per rank, D d_model, F d_ff.
+
+GShard (Lepikhin et al. 2020, §2.2-2.3): ep consecutive dp ranks hold E/ep experts each; every rank routes its
+own tokens, an all-to-all sends each kept slot to the rank owning its expert, and a second all-to-all brings the
+outputs back (moe.MoE._run_experts; comms.AllToAll is differentiable with uneven splits).
+
+Gradients. Non-expert parameters are replicated over dp x cp and averaged there as usual. An expert shard on
+rank j already holds the gradient of *every* EP peer's tokens (the all-to-all's backward brought it home), so it
+is summed only over "edp_cp" (mesh.ep_meshes: the dp/ep x cp ranks holding the same experts) and divided by
+dp * cp, the same mean-over-ranks the rest of the model gets:
+  * DDP (zero 0/1): the expert params are on DDP's ignore list (ddp.py calls `exclude_experts_from_ddp`);
+    `sync_expert_grads` all-reduces them over edp_cp at the end of the backward in which DDP syncs (the same
+    `require_backward_grad_sync` flag), one flat all-reduce per backward.
+  * FSDP2 (zero 2/3): fsdp.py calls `fully_shard_experts` before wrapping the blocks: each Experts module gets
+    its own FSDP unit over edp_cp with gradient divide factor dp * cp (torchtitan's MoE layout); the block's
+    fully_shard then skips those already-managed params.
+ep = 1 changes nothing: the experts are ordinary replicated params under DDP/FSDP.
+
+White-box: each expert param carries `_curry_gather` (all-gather over the ep group, dim 0), which maps the
+local [El, ...] (after FSDP's full_tensor) to the reference's full [E, ...].
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..config import Config
+from ..mesh import ep_meshes
+from ..moe import moe_layers
+from . import comms
+
+
+def _mark_expert_params(experts: nn.Module, ep_group: Any) -> None:
+    for p in experts.parameters():
+        p._curry_gather = partial(comms.all_gather_dim0, group=ep_group)
+        p._curry_expert = True
+
+
+def apply_ep(model: nn.Module, mesh: Any, cfg: Config) -> None:
+    """Keep this rank's El experts of every MoE layer and route through the ep group, in place."""
+    ep = cfg.parallel.ep
+    if ep == 1:
+        return
+    if cfg.parallel.zero == 1:
+        # ZeroRedundancyOptimizer partitions and broadcasts *every* parameter over dp x cp, which would copy
+        # one rank's experts over another's.
+        raise ValueError("parallel.zero=1 with parallel.ep>1 is not supported; use zero=0 (DDP) or zero>=2 (FSDP)")
+    if cfg.parallel.sp:
+        raise ValueError("MoE with parallel.sp=true is not supported (experts would see T/tp tokens); use sp=false")
+    ep_mesh, _ = ep_meshes(mesh, ep)
+    group, rank = ep_mesh.get_group(), ep_mesh.get_local_rank()
+    El = cfg.model.num_experts // ep
+    for _, moe in moe_layers(model):
+        moe.ep_group = group
+        for name, full in list(moe.experts.named_parameters()):
+            # rank `rank` of the group owns experts [rank*El, (rank+1)*El), sliced from the seeded full tensor
+            setattr(moe.experts, name, nn.Parameter(full.detach()[rank * El : (rank + 1) * El].clone()))
+        _mark_expert_params(moe.experts, group)
+
+
+def is_expert_param(p: torch.Tensor) -> bool:
+    return bool(getattr(p, "_curry_expert", False))
+
+
+# --------------------------------------------------------------------------- DDP (zero 0 / 1)
+
+
+def exclude_experts_from_ddp(model: nn.Module) -> list[str]:
+    """Put the sharded expert params on DDP's ignore list (names as DDP will see them: call right before
+    wrapping). Keeps any names already there (the white-box fault injector uses the same list)."""
+    names = [n for n, p in model.named_parameters() if is_expert_param(p)]
+    if names:
+        from torch.nn.parallel import DistributedDataParallel
+
+        old = list(getattr(model, "_ddp_params_and_buffers_to_ignore", []))
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, sorted(set(old) | set(names)))
+    return names
+
+
+def sync_expert_grads(ddp: nn.Module, mesh: Any, cfg: Config) -> None:
+    """Sum expert grads over edp_cp and divide by dp*cp at the end of each backward in which `ddp` syncs."""
+    params = [p for p in ddp.module.parameters() if is_expert_param(p)]
+    if not params:
+        return
+    _, edp = ep_meshes(mesh, cfg.parallel.ep)
+    group, scale = edp.get_group(), 1.0 / (cfg.parallel.dp * cfg.parallel.cp)
+    state = {"queued": False}
+
+    def reduce_all() -> None:
+        state["queued"] = False
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        comms.all_reduce_sum_scaled_([p.grad for p in params], group, scale)
+
+    def hook(_: torch.Tensor) -> None:
+        # First expert grad of a syncing backward: reduce all of them once autograd finishes (DDP queues its
+        # own bucket finalisation the same way).
+        if ddp.require_backward_grad_sync and not state["queued"]:
+            state["queued"] = True
+            torch.autograd.Variable._execution_engine.queue_callback(reduce_all)
+
+    for p in params:
+        p.register_post_accumulate_grad_hook(hook)
+
+
+# --------------------------------------------------------------------------- FSDP2 (zero 2 / 3)
+
+
+def fully_shard_experts(model: nn.Module, mesh: Any, cfg: Config, **fsdp_kwargs: Any) -> None:
+    """Give every Experts module its own FSDP2 unit over edp_cp (call before fully_shard of the blocks, with the
+    same mp_policy / reshard_after_forward). Divides gradients by dp*cp with sum-only collectives."""
+    if cfg.parallel.ep == 1:
+        return
+    from torch.distributed.fsdp import fully_shard
+
+    ep_mesh, edp = ep_meshes(mesh, cfg.parallel.ep)
+    for _, moe in moe_layers(model):
+        fully_shard(moe.experts, mesh=edp, **fsdp_kwargs)
+        moe.experts.set_gradient_divide_factor(float(cfg.parallel.dp * cfg.parallel.cp))
+        if edp.size() > 1:
+            # gloo has no PREMUL_SUM: reduce with SUM, then divide. Not on a 1-rank mesh, where FSDP2 (torch
+            # 2.13 _fsdp_collectives.foreach_reduce) would divide twice (its copy branch and the post-divide).
+            moe.experts.set_force_sum_reduction_for_comms(True)
+        _mark_expert_params(moe.experts, ep_mesh.get_group())  # fully_shard replaced the Parameters
