@@ -17,11 +17,13 @@ def test_ddp_two_ranks_matches_reference_over_accumulation_layouts(tmp_path):
         {"parallel.dp": 2},                             # 2 micro-batches per rank
         {"parallel.dp": 2, "train.micro_batch": 1},     # 4 micro-batches per rank (no_sync path)
         {"parallel.dp": 2, "train.micro_batch": 4},     # no accumulation
+        {"parallel.dp": 2, "train.dtype": "bfloat16"},  # bf16 autocast vs the fp32 reference (looser, stated)
     )]
     verdicts = whitebox_batch(cfgs, steps=2, out_dir=tmp_path)
     for v in verdicts:
         assert v.passed, v.failures
-        assert v.loss_max_diff <= 1e-5 and v.n_params_compared == 39
+        assert v.loss_max_diff <= (2e-2 if "loss_rtol" in v.tolerance and v.tolerance["loss_rtol"] > 1e-4 else 1e-5)
+        assert v.n_params_compared == 39
         assert v.losses_parallel[1] < v.losses_parallel[0] + 1.0  # two real steps were taken
 
 

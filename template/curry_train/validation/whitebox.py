@@ -15,8 +15,11 @@ Tolerances (fp32; measured noise in ../shared/notes/torch-cpu-distributed.md §2
   params     |d| <= 1e-5 + 0.1 * lr * steps   AdamW divides by sqrt(v): a grad of order eps=1e-8 turns 1e-9
                                               of noise into a large fraction of lr. A skipped or doubled update
                                               (the bugs this catches) is off by ~lr per element.
-bfloat16 runs are compared with the fp32 reference at 5% relative L2 error per parameter (bf16 has 8 bits
-of mantissa, ~0.4% per rounding, compounded over a few layers) and 2% on the loss.
+bfloat16 runs are compared with the fp32 reference: the loss at every step within 2%, the grad norm within 5%,
+and each parameter's step-0 gradient within 5% relative L2 error (bf16 keeps 8 mantissa bits, ~0.4% per
+rounding, compounded over a few layers). Later-step gradients and the updated weights are not compared element-
+wise in bf16: AdamW's first updates are ~lr*sign(g), so any gradient below bf16 resolution flips a whole lr-sized
+step; those paths are proven in fp32, where the same code runs.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from pydantic import BaseModel, Field
 from ..config import Config, from_dict
 
 FP32 = {"loss_rtol": 1e-5, "grad_atol": 1e-6, "grad_rtol": 1e-5, "param_atol": 1e-5, "param_lr_frac": 0.1}
-BF16 = {"loss_rtol": 2e-2, "grad_rel_l2": 5e-2, "param_atol": 1e-5, "param_lr_frac": 1.0}
+BF16 = {"loss_rtol": 2e-2, "grad_rel_l2": 5e-2}
 
 
 class ParamDiff(BaseModel):
@@ -207,23 +210,24 @@ def compare(cfg: Config, ref: dict[str, Any], par: dict[str, Any], steps: int) -
             failing_names.append(name)
             return
         d = (a - b).abs()
-        if param:
-            allowed_t = torch.full_like(a, tol["param_atol"] + tol["param_lr_frac"] * cfg.train.lr * steps)
-        elif bf16:
-            allowed_t = torch.full_like(a, tol["grad_rel_l2"] * float(a.norm()) / max(a.numel(), 1) ** 0.5 * 4 + 1e-6)
+        if bf16:  # relative L2 error of the whole tensor: bf16 rounding is relative, per element it is noise
+            rel = float((a - b).norm() / (a.norm() + 1e-12))
+            ratio = rel / tol["grad_rel_l2"]
+            allowed = tol["grad_rel_l2"] * float(a.norm())
+            measured = float((a - b).norm())
         else:
-            allowed_t = tol["grad_atol"] + tol["grad_rtol"] * a.abs()
-        if bf16 and not param:
-            ratio = float((a - b).norm() / (a.norm() + 1e-12)) / tol["grad_rel_l2"]
-        else:
+            allowed_t = (torch.full_like(a, tol["param_atol"] + tol["param_lr_frac"] * cfg.train.lr * steps) if param
+                         else tol["grad_atol"] + tol["grad_rtol"] * a.abs())
             ratio = float((d / allowed_t).max()) if d.numel() else 0.0
+            allowed = float(allowed_t.max()) if d.numel() else 0.0
+            measured = float(d.max()) if d.numel() else 0.0
         diff = ParamDiff(name=f"{kind} {name}", max_abs_diff=float(d.max()) if d.numel() else 0.0,
-                         allowed=float(allowed_t.max()) if d.numel() else 0.0,
-                         ref_max_abs=float(a.abs().max()) if a.numel() else 0.0)
+                         allowed=allowed, ref_max_abs=float(a.abs().max()) if a.numel() else 0.0)
         if worst is None or ratio > worst[0]:
             worst = (ratio, diff)
         if ratio > 1.0:
-            failures.append(f"{kind} {name}: max |diff| {diff.max_abs_diff:.3e} > allowed {diff.allowed:.3e}")
+            what = "L2 |diff|" if bf16 else "max |diff|"
+            failures.append(f"{kind} {name}: {what} {measured:.3e} > allowed {allowed:.3e}")
             failing_names.append(name)
 
     loss_diffs = [abs(a - b) for a, b in zip(ref["losses"], par["losses"])]
@@ -240,13 +244,18 @@ def compare(cfg: Config, ref: dict[str, Any], par: dict[str, Any], steps: int) -
         if abs(gn_ref[-1] - gn_par[-1]) > 1e-6 + (5e-2 if bf16 else 1e-5) * gn_ref[-1]:
             failures.append(f"grad norm step {s}: {gn_par[-1]:.6g} vs reference {gn_ref[-1]:.6g}")
         for name in sorted(rg, key=_layer_order):
+            if bf16 and s > 0:
+                break  # after one bf16 AdamW step the weights legitimately differ: compare step 0 only
             consider(f"grad[step {s}]", name, rg[name], pg.get(name), param=False)
         for name in sorted(set(pg) - set(rg)):
             failures.append(f"grad {name}: not a reference parameter (name mapping broken)")
     for name in sorted(ref["params"], key=_layer_order):
+        if bf16:
+            break  # see the module docstring: AdamW's sign-like first steps make bf16 param diffs O(lr)
         consider("param", name, ref["params"][name], (par["params"] or {}).get(name), param=True)
     first = min(failing_names, key=_layer_order) if failing_names else None
-    tol["param_atol_effective"] = tol["param_atol"] + tol["param_lr_frac"] * cfg.train.lr * steps
+    if not bf16:
+        tol["param_atol_effective"] = tol["param_atol"] + tol["param_lr_frac"] * cfg.train.lr * steps
     return Verdict(
         passed=not failures, world_size=cfg.world_size, steps=steps,
         losses_ref=ref["losses"], losses_parallel=par["losses"], loss_max_diff=loss_max,
