@@ -215,9 +215,6 @@ def check(cfg: Config) -> list[Problem]:
         bad(["parallel.zero", "parallel.ep"], "ZeRO-1 (ZeroRedundancyOptimizer) broadcasts every updated "
             "parameter from its owner, which would overwrite one EP rank's experts with another's",
             "use parallel.zero=0 (DDP) or 2/3 (FSDP, experts sharded over the expert-data-parallel ranks)")
-    if m.num_experts and p.tp > 1:
-        bad(["model.num_experts", "parallel.tp"], "tensor parallel inside the experts (expert-TP) is not "
-            "implemented; the TP plan covers dense MLPs only", "shard experts with parallel.ep instead of tp")
     if m.num_experts and p.pp > 1 and m.aux_loss_coef + m.z_loss_coef > 0:
         bad(["model.num_experts", "parallel.pp", "model.aux_loss_coef"], "the pipeline schedule's loss sees only "
             "the last stage's output, so the router's auxiliary losses on earlier stages would get no gradient",

@@ -1,0 +1,173 @@
+"""Pipeline parallel over the mesh's "pp" axis with torch.distributed.pipelining (manual stage split).
+
+    curry-train whitebox --config configs/tiny.yaml --set parallel.pp=2 --set parallel.pp_schedule=gpipe --json
+
+Shape legend: B rows of this dp rank per step (= m * mb), mb micro-batch, m micro-batches, T sequence, D d_model,
+V vocab, p = pp ranks, v = pp_virtual chunks per rank, S = p * v stages, L layers.
+
+Split: S stages of L/S consecutive layers each (config.check refuses L % S != 0: the slowest stage sets the
+pace). Stage 0 also owns the embedding, stage S-1 the final norm and LM head. A stage is the full Transformer
+with the parts it does not own removed, so its parameter names are the full model's (`layers.<i>` keeps the
+global index) and the white-box check merges stages by name.
+
+Placement of stages on ranks (schedules from torch.distributed.pipelining):
+  gpipe    one stage per rank, all forwards then all backwards (Huang et al. 2019, "GPipe");
+  1f1b     one stage per rank, one-forward-one-backward steady state (Narayanan et al. 2019, "PipeDream"):
+           same bubble (p-1)/(m+p-1), at most p micro-batches of activations in flight;
+  interleaved_1f1b  looped placement, rank r holds stages r, r+p, ... (Narayanan et al. 2021, "Efficient
+           Large-Scale Language Model Training on GPU Clusters", §2.2.2): bubble divided by ~v, v x the p2p;
+  zero_bubble  backward split into input-grad (B) and weight-grad (W) passes that fill the bubble (Qi et al.
+           2024, "Zero Bubble Pipeline Parallelism", arXiv:2401.10241): with v=2 the V placement (rank r holds
+           stages r and 2p-1-r, ZBV §6), otherwise looped placement with the interleaved zero-bubble schedule.
+
+Loss: the schedule calls `lm_loss` (mean over one micro-batch's tokens) per micro-batch and divides the
+accumulated gradients by m (`scale_grads=True`), so gradients are the mean over the m micro-batches, as in the
+reference; DDP / FSDP then average over dp. The schedule itself skips DDP's all-reduce / FSDP's reduce-scatter
+on all but the last micro-batch.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..config import Config
+from ..data import cp_positions, micro_batches
+from ..model import lm_loss
+
+SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved_1f1b": "ScheduleInterleaved1F1B"}
+
+
+def schedule_name(cfg: Config) -> str:
+    """torch class name of the configured schedule."""
+    p = cfg.parallel
+    if p.pp_schedule == "zero_bubble":
+        return "ScheduleZBVZeroBubble" if p.pp_virtual == 2 else "ScheduleInterleavedZeroBubble"
+    return SCHEDULES[p.pp_schedule]
+
+
+def stage_ids(pp_rank: int, cfg: Config) -> list[int]:
+    """Stage indices held by pipeline rank `pp_rank`, in the order the schedule expects."""
+    p, v = cfg.parallel.pp, cfg.parallel.pp_virtual
+    if schedule_name(cfg) == "ScheduleZBVZeroBubble":
+        return [pp_rank, 2 * p - 1 - pp_rank]  # V: down the ranks, then back up, so the turn stays local
+    return [pp_rank + k * p for k in range(v)]  # looped (v = 1: one stage per rank)
+
+
+def stage_layers(stage: int, cfg: Config) -> list[int]:
+    """Global layer indices of a stage: a contiguous, equal share (uneven splits are refused by config.check)."""
+    per = cfg.model.n_layers // (cfg.parallel.pp * cfg.parallel.pp_virtual)
+    return list(range(stage * per, (stage + 1) * per))
+
+
+def build_stage_module(model: nn.Module, stage: int, cfg: Config) -> nn.Module:
+    """The part of `model` that stage `stage` runs: same class, same parameter names, other parts removed."""
+    n_stages = cfg.parallel.pp * cfg.parallel.pp_virtual
+    keep = {str(i) for i in stage_layers(stage, cfg)}
+    drop = [m for k, m in model.layers.items() if k not in keep]
+    drop += [m for m, owned in ((model.tok_embeddings, stage == 0), (model.norm, stage == n_stages - 1),
+                                (model.output, stage == n_stages - 1)) if not owned]
+    # Copy what the stage keeps; the memo maps dropped modules to themselves so they are not copied only to be
+    # deleted (torchtitan's pipeline split deep-copies the whole model per stage).
+    part = copy.deepcopy(model, memo={id(m): m for m in drop})
+    for k in [k for k in part.layers if k not in keep]:
+        del part.layers[k]
+    if stage != 0:
+        part.tok_embeddings = None  # a later stage receives hidden states [mb, T, D]
+    if stage != n_stages - 1:
+        part.norm, part.output = None, None  # ... and sends hidden states on
+    return part
+
+
+def _positions_hook(positions: torch.Tensor):
+    """The schedule calls a stage with its activation only; give every stage the tokens' global positions
+    (RoPE), which under SP or CP are not `arange` of the local length."""
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if len(args) < 2 and kwargs.get("positions") is None:
+            kwargs = {**kwargs, "positions": positions}
+        return args, kwargs
+
+    return hook
+
+
+def apply_pp(model: nn.Module, mesh: Any, cfg: Config) -> tuple[list[nn.Module], list[int]]:
+    """Split `model` into this rank's stage modules. Returns (parts, stage_ids), in schedule order."""
+    pp_rank = mesh["pp"].get_local_rank()
+    cp_rank = mesh["cp"].get_local_rank()
+    ids = stage_ids(pp_rank, cfg)
+    device = next(model.parameters()).device
+    positions = cp_positions(cfg.train.seq_len, cfg.parallel.cp, cp_rank).to(device)  # [T / cp]
+    parts = []
+    for s in ids:
+        part = build_stage_module(model, s, cfg)
+        part.register_forward_pre_hook(_positions_hook(positions), with_kwargs=True)
+        parts.append(part)
+    return parts, ids
+
+
+def build_schedule(par) -> Any:
+    """PipelineStage(s) around the wrapped parts on the pp group, and the configured schedule."""
+    from torch.distributed import pipelining
+    from torch.nn.parallel import DistributedDataParallel
+
+    cfg = par.cfg
+    n_stages = cfg.parallel.pp * cfg.parallel.pp_virtual
+    group = par.mesh["pp"].get_group()
+    for part in par.parts:
+        if isinstance(part, DistributedDataParallel):
+            # The schedule arms DDP's reducer itself before the last micro-batch's backward
+            # (stage.backward_maybe_with_nosync). Left on, the shape-inference forward of the first step arms it
+            # too, its input-only backward never fires the hooks, and the next backward double-counts them
+            # ("rebuilt parameter indices size is not same as original model parameters size").
+            part.require_backward_grad_sync = False
+    def get_mesh(names: tuple[str, ...], layout: Any) -> Any:  # rebuilds received DTensors (SP activations)
+        return par.mesh[names[0] if len(names) == 1 else names]
+
+    stages = [pipelining.PipelineStage(part, s, n_stages, par.device, group=group, get_mesh=get_mesh)
+              for part, s in zip(par.parts, par.stage_ids)]
+    cls = getattr(pipelining, schedule_name(cfg))
+    single = cfg.parallel.pp_virtual == 1
+    # scale_grads=True: grads /= m after the step, so the per-micro-batch mean losses average like the reference.
+    return cls(stages[0] if single else stages, n_microbatches=cfg.num_microbatches, loss_fn=lm_loss,
+               scale_grads=True)
+
+
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    """A loss computed under loss_parallel is a replicated DTensor."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def pipeline_forward_backward(par, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """One step's forward and backward through the pipeline for this dp (and cp) rank's rows.
+
+    inputs/targets: the whole global batch [global_batch, T]. Returns the global mean loss on every rank.
+    """
+    cfg, topo = par.cfg, par.topo
+    coords = topo.coords(dist.get_rank())
+    mbs = list(micro_batches(cfg, inputs, targets, coords["dp"], coords["cp"]))
+    x = torch.cat([m[0] for m in mbs]).to(par.device)  # [m * mb, T / cp]; the schedule re-splits it into m
+    y = torch.cat([m[1] for m in mbs]).to(par.device)
+    last = cfg.parallel.pp * cfg.parallel.pp_virtual - 1
+    losses: list[torch.Tensor] = []
+    args = (x,) if 0 in par.stage_ids else ()  # the owner of stage 0 feeds the tokens
+    kwargs = {"target": y, "losses": losses} if last in par.stage_ids else {}
+    # loss_parallel must cover the backward too (the schedule runs it inside step()).
+    with par.autocast(), par.loss_context():
+        par.schedule.step(*args, **kwargs)
+    loss = torch.stack([_plain(t).detach().float() for t in losses]).mean() if losses else torch.zeros(())
+    loss = loss.to(par.device)
+    # Only the last stage has the loss: summing over the pp group hands it to every stage ...
+    dist.all_reduce(loss, op=dist.ReduceOp.SUM, group=par.mesh["pp"].get_group())
+    # ... then average over the ranks that saw different rows (dp) or tokens (cp).
+    from ..parallelize import grad_reduce_group
+
+    group = grad_reduce_group(par)
+    if dist.get_world_size(group) > 1:
+        dist.all_reduce(loss, op=dist.ReduceOp.SUM, group=group)
+        loss /= dist.get_world_size(group)
+    return loss

@@ -1,0 +1,117 @@
+"""Tensor parallel (Megatron-LM) and sequence parallel over the mesh's "tp" axis, with torch DTensor.
+
+    curry-train whitebox --config configs/tiny.yaml --set parallel.tp=2 --set parallel.sp=true --json
+
+Shape legend: B micro-batch, T sequence, D d_model, H / G query / kv heads, Dh head dim, F d_ff, V vocab,
+t = tp. "local" = what one rank holds.
+
+Shoeybi et al. 2019, "Megatron-LM" (arXiv:1909.08053) §3 splits each block's two matmul pairs so that one
+collective in forward and one in backward cover a whole sub-block:
+  column-parallel A = [A_1 .. A_t] (split output features): rank r computes X A_r, no communication; the input
+      X must be replicated, so its gradient is a *sum* over ranks (Megatron's `f`: identity fwd, all-reduce bwd).
+  row-parallel B = [B_1; ..; B_t] (split input features): rank r computes Y_r B_r, a partial sum of Y B
+      (Megatron's `g`: all-reduce fwd, identity bwd).
+Attention: wq/wk/wv are column-parallel, so each rank holds H/t query heads and G/t kv heads (whole heads, so
+RoPE and GQA's head grouping stay rank-local: query head j uses kv head j // (H/G) on every rank); wo is
+row-parallel. SwiGLU: w1 (gate) and w3 (up) column-parallel, silu(.)*(.) elementwise on the local F/t slice, w2
+row-parallel. Embedding: rows (vocab) sharded, each rank looks up its own ids and leaves zeros elsewhere; the
+sum over ranks (all-reduce) is exact. LM head: column-parallel over the vocab, logits stay sharded
+[B, T, V/t] and the cross entropy runs under `loss_parallel()` (the softmax max and sum are all-reduced over
+V instead of gathering [B, T, V]).
+
+Sequence parallel (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models",
+arXiv:2205.05198 §4.2.2): between the row-parallel output and the next column-parallel input the activations
+are identical on every rank, so the norms (and dropout, which this model has none of) run on a T/t slice each.
+`g` becomes a reduce-scatter to [B, T/t, D] and `f` an all-gather back to [B, T, D]: the same bytes as the
+all-reduce, with 1/t of the norm activations per rank. The residual stream between blocks is then a DTensor
+Shard(1) (global shape [B, T, D], so the model's default positions stay right).
+
+torch's building blocks: `ColwiseParallel` / `RowwiseParallel` shard a Linear's weight (Shard(0) / Shard(1)) and
+convert inputs/outputs; `PrepareModuleInput` is the `f` (Replicate, or all-gather under SP) once per sub-block,
+so q, k and v share one backward all-reduce; `SequenceParallel` marks the norm weights Replicate and its
+inputs Shard(1).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    PrepareModuleInputOutput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from ..config import Config
+from ..model import FeedForward
+
+
+def block_plan(sp: bool, dense_ffn: bool = True) -> dict[str, Any]:
+    """TP plan of one transformer block (module name -> ParallelStyle), relative to the block."""
+    stream = Shard(1) if sp else Replicate()  # residual stream layout: [B, T/t, D] under SP, else [B, T, D]
+    plan: dict[str, Any] = {
+        # f: [B, T/t, D] --all-gather--> [B, T, D] (SP) or replicated -> one backward reduce for wq, wk and wv.
+        # Attention.forward(x, cos, sin): only x is a DTensor; the RoPE tables stay plain tensors.
+        "attention": PrepareModuleInput(input_layouts=(stream, None, None),
+                                        desired_input_layouts=(Replicate(), None, None)),
+        "attention.wq": ColwiseParallel(),  # [B, T, D] -> local [B, T, H/t * Dh]
+        "attention.wk": ColwiseParallel(),  # [B, T, D] -> local [B, T, G/t * Dh]
+        "attention.wv": ColwiseParallel(),  # [B, T, D] -> local [B, T, G/t * Dh]
+        # g: local [B, T, H/t * Dh] -> partial [B, T, D] --all-reduce / reduce-scatter--> stream
+        "attention.wo": RowwiseParallel(output_layouts=stream, use_local_output=not sp),
+    }
+    if dense_ffn:
+        plan.update({
+            "feed_forward": PrepareModuleInput(input_layouts=(stream,), desired_input_layouts=(Replicate(),)),
+            "feed_forward.w1": ColwiseParallel(),  # [B, T, D] -> local [B, T, F/t]
+            "feed_forward.w3": ColwiseParallel(),  # [B, T, D] -> local [B, T, F/t]
+            "feed_forward.w2": RowwiseParallel(output_layouts=stream, use_local_output=not sp),  # -> stream
+        })
+    elif sp:
+        # MoE FFN: experts are not tensor-parallel (expert parallelism shards them over dp instead); every tp
+        # rank routes all B*T tokens as plain tensors: all-gather in, keep this rank's T/t slice out. Without SP
+        # the stream is already a plain replicated tensor and the MoE needs no plan.
+        plan["feed_forward"] = PrepareModuleInputOutput(
+            input_layouts=(stream,), desired_input_layouts=(Replicate(),), use_local_input=True,
+            output_layouts=(Replicate(),), desired_output_layouts=(stream,), use_local_output=False)
+    if sp:  # norms run on the local T/t tokens; their weights are replicated, weight grads summed over ranks
+        plan["attention_norm"] = SequenceParallel()
+        plan["ffn_norm"] = SequenceParallel()
+    return plan
+
+
+def apply_tp(model: nn.Module, mesh: Any, cfg: Config) -> bool:
+    """Shard `model` (the full model or a pipeline stage of it) over mesh["tp"], in place.
+
+    Returns True when this part produces vocab-sharded logits (a DTensor Shard(-1) [B, T, V]), so the caller
+    computes the loss under `torch.distributed.tensor.parallel.loss_parallel()` (train.forward_backward).
+    MoE models get all-gathered plain logits instead (False): their auxiliary losses are plain tensors added
+    to the cross entropy. Needs H, G, F, V (and T under SP) divisible by tp, which config.check enforces.
+    """
+    tp_mesh = mesh["tp"]
+    sp = cfg.parallel.sp
+    stream = Shard(1) if sp else Replicate()
+    vocab_sharded_loss = cfg.model.num_experts == 0
+    for block in model.layers.values():
+        parallelize_module(block, tp_mesh, block_plan(sp, isinstance(block.feed_forward, FeedForward)))
+
+    root: dict[str, Any] = {}
+    if model.tok_embeddings is not None:
+        # ids [B, T] replicated -> rows of the local vocab slice, zeros elsewhere (partial) -> summed to the stream
+        root["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=stream,
+                                                 use_local_output=not sp)
+    if model.norm is not None and sp:
+        root["norm"] = SequenceParallel()
+    if model.output is not None and vocab_sharded_loss:
+        # [B, T, D] (all-gathered under SP) -> logits [B, T, V/t], kept sharded for loss_parallel
+        root["output"] = ColwiseParallel(input_layouts=stream, output_layouts=Shard(-1), use_local_output=False)
+    elif model.output is not None:  # -> logits all-gathered to a plain [B, T, V]
+        root["output"] = ColwiseParallel(input_layouts=stream, output_layouts=Replicate())
+    if root:
+        parallelize_module(model, tp_mesh, root)
+    return model.output is not None and vocab_sharded_loss
