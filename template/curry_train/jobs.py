@@ -16,6 +16,7 @@ JOBS = {
     "whitebox": "curry_train.validation.whitebox:parallel_job",
     "bench": "curry_train.bench:bench_job",
     "selftest": "curry_train.jobs:selftest_job",
+    "memory": "curry_train.memory:memory_job",
 }
 
 

@@ -1,0 +1,63 @@
+"""ZeRO-2 / ZeRO-3 with FSDP2: shard parameters, gradients and optimizer state over the dp x cp ranks.
+
+    curry-train whitebox --config configs/tiny.yaml --set parallel.dp=2 --set parallel.zero=3 --json
+
+Rajbhandari et al. 2019, "ZeRO" (arXiv:1910.02054), §5: P_os+g (stage 2) and P_os+g+p (stage 3). FSDP2
+(`torch.distributed.fsdp.fully_shard`, Zhao et al. 2023, "PyTorch FSDP", VLDB) stores every parameter as a
+DTensor `Shard(0)` over the mesh; before a unit's forward it all-gathers the unit's parameters, after its backward
+it reduce-scatters the unit's gradients, so each rank keeps 1/d of params, grads and AdamW state.
+
+  zero=2  reshard_after_forward=False: a unit's gathered parameters stay alive from its forward until its
+          backward (the SHARD_GRAD_OP equivalent; no second all-gather in backward). Between steps, and during
+          the optimizer step, only the shards exist.
+  zero=3  reshard_after_forward=True: parameters are freed after each unit's forward and gathered again for its
+          backward (FULL_SHARD). The root unit too (an explicit True overrides FSDP2's keep-the-root heuristic):
+          the root is gathered for the whole forward anyway (embedding first, head last), so at most the root
+          plus one block are gathered at a time.
+
+Units: one per transformer block plus the root (embedding, final norm, LM head and whatever the blocks leave),
+as torchtitan `apply_fsdp` does: the all-gather of block i+1 overlaps the compute of block i.
+Mixed precision (train.dtype=bfloat16): bf16 all-gather and compute, fp32 master shards, fp32 reduce-scatter
+(Micikevicius et al. 2018, "Mixed Precision Training", §3: fp32 master weights and accumulation).
+Composes with TP (params already DTensors on mesh["tp"] become 2-D `(_StridedShard, Shard)` params), with a
+pipeline stage (tok_embeddings/norm/output may be None, `layers` a subset) and with recompute (applied first,
+so a unit's recomputed forward uses the already gathered parameters).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..config import Config
+from ..mesh import dp_cp_mesh
+
+
+def fsdp_kwargs(cfg: Config) -> dict[str, Any]:
+    """The fully_shard arguments every unit of this config gets (experts, blocks and the root alike)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if cfg.train.dtype == "bfloat16":
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    else:
+        mp = MixedPrecisionPolicy()
+    return {"reshard_after_forward": cfg.parallel.zero >= 3, "mp_policy": mp}
+
+
+def apply_fsdp(model: nn.Module, mesh: Any, cfg: Config) -> None:
+    """Shard `model` in place: one FSDP2 unit per block, then the root, over the dp x cp mesh."""
+    from torch.distributed.fsdp import fully_shard
+
+    kwargs = fsdp_kwargs(cfg)
+    dp_mesh = dp_cp_mesh(mesh)
+    if cfg.model.num_experts > 0:
+        # Expert shards are summed over edp_cp, not dp_cp: they get their own units first, and the block's
+        # fully_shard below skips the params those units already manage (expert_parallel.py docstring).
+        from .expert_parallel import fully_shard_experts
+
+        fully_shard_experts(model, mesh, cfg, **kwargs)
+    for block in model.layers.values():
+        fully_shard(block, mesh=dp_mesh, **kwargs)
+    fully_shard(model, mesh=dp_mesh, **kwargs)
