@@ -126,10 +126,9 @@ def test_whitebox_ep_four_ranks(tmp_path):
     _assert_passed(WORLD4, whitebox_batch(cfgs, steps=2, out_dir=tmp_path))
 
 
-def test_zero1_with_sharded_experts_is_refused():
-    from curry_train.model import build_model
-    from curry_train.parallel.expert_parallel import apply_ep
+def test_zero1_with_sharded_experts_is_refused_before_launch():
+    from curry_train.config import ConfigError
 
-    cfg = load_config("configs/tiny-moe.yaml", {"parallel.dp": 2, "parallel.ep": 2, "parallel.zero": 1})
-    with pytest.raises(ValueError):
-        apply_ep(build_model(cfg), None, cfg)
+    with pytest.raises(ConfigError) as e:
+        load_config("configs/tiny-moe.yaml", {"parallel.dp": 2, "parallel.ep": 2, "parallel.zero": 1})
+    assert {"parallel.zero", "parallel.ep"} <= {f for p in e.value.problems for f in p.fields}
