@@ -1,0 +1,551 @@
+"""curryTrain's MCP server: thin typed adapters over the same functions the `curry-train` CLI calls.
+
+    curry-train mcp                      # stdio (what Claude Code / Desktop start)
+    curry-train mcp --http --port 8765   # streamable HTTP on 127.0.0.1 with DNS-rebinding protection
+
+Tools take a config NAME from configs/ (never a path) and dotted `overrides` applied without writing anything.
+Cheap tools (estimates, plans, diffs, config writes) run in the server; long ones (bench, white-box, measured
+probe and sweep) run in a killable worker process (jobs.py): they report progress, have deadlines, are cancelled
+by killing their whole process tree, and take the machine's device lock so they never share the accelerators.
+torch is never imported here, so `tools/list` answers within a second of start.
+Errors the model can act on are ToolErrors that say what to do next.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from curry_train.advisor import Recommendation
+from curry_train.bench import BenchResult
+from curry_train.config import ConfigError
+from curry_train.config_store import ConfigUpdate
+from curry_train.estimate import Estimate
+from curry_train.hardware import HardwareReport
+from curry_train.paths import UnsafeName, check_name, configs_dir, project_root
+from curry_train.planner import Plan
+from curry_train.runs import RunsDiff
+from curry_train.sweep import SweepResult
+from mcp.server import MCPServer
+from mcp.server.mcpserver import Context
+from mcp.server.mcpserver.exceptions import ResourceNotFoundError, ToolError
+from mcp.server.mcpserver.prompts.base import UserMessage
+from mcp.server.mcpserver.resources import FunctionResource
+from mcp.types import CallToolResult, ImageContent, TextContent, ToolAnnotations
+from pydantic import BaseModel, ConfigDict, Field
+
+from .jobs import WorkerError, run_worker
+from .skills_ext import SkillsExtension
+
+logger = logging.getLogger(__name__)
+
+REPO = Path(__file__).resolve().parent.parent
+SKILLS_DIR = REPO / "skills"
+
+INSTRUCTIONS = """curryTrain adds distributed-training parallelism one primitive at a time, on a real PyTorch template.
+Read skill://stage4-parallel-primitive-intro/SKILL.md first. The procedure: probe_hardware -> bench the current
+config -> recommend_next -> update_config with the recommended patch (one primitive) -> bench again ->
+whitebox_compare to prove the parallel run matches one device -> runs_diff the two benches. Measure before
+recommending; never stack two primitives without a white-box check between them. `config` arguments are names
+in configs/ (see config://index); `overrides` are dotted keys (e.g. {"parallel.dp": 2}) applied without writing.
+Long tools report progress; if your host times out, raise MCP_TOOL_TIMEOUT or poll run://index for the run."""
+
+READ_ONLY = ToolAnnotations(read_only_hint=True, destructive_hint=False, idempotent_hint=True, open_world_hint=False)
+MEASURES = ToolAnnotations(read_only_hint=True, destructive_hint=False, idempotent_hint=False, open_world_hint=False)
+WRITES_CONFIG = ToolAnnotations(read_only_hint=False, destructive_hint=False, idempotent_hint=True,
+                                open_world_hint=False)
+BIG_RESULT = {"anthropic/maxResultSizeChars": 200_000}
+
+mcp = MCPServer("curry-train", version="0.1.0", instructions=INSTRUCTIONS,
+                extensions=[SkillsExtension(SKILLS_DIR)])
+
+ConfigName = Annotated[str, Field(description="Name of a config in configs/ (e.g. 'tiny', 'llama3-8b'); not a path. "
+                                              "List them with the config://index resource.")]
+Overrides = Annotated[dict[str, Any], Field(description="Dotted overrides applied without writing the file, e.g. "
+                                                        '{"parallel.dp": 2, "parallel.zero": 3}.')]
+TimeoutS = Annotated[float, Field(gt=0, le=24 * 3600, description="Deadline in seconds; every rank is killed when "
+                                                                  "it passes.")]
+Plot = Annotated[bool, Field(description="Also return a PNG (per-rank memory, estimate vs measured).")]
+
+
+def root() -> str:
+    """The project folder holding configs/ and runs/ ($CURRY_TRAIN_ROOT, else the current or checkout folder)."""
+    return str(project_root(os.environ.get("CURRY_TRAIN_ROOT") or None))
+
+
+def _available() -> str:
+    return ", ".join(sorted(p.stem for p in configs_dir(root()).glob("*.yaml"))) or "(none)"
+
+
+def tool_error(e: BaseException) -> ToolError:
+    """A user-fixable error, phrased with the next step."""
+    if isinstance(e, ConfigError):
+        return ToolError(f"{e}\nFix the listed fields (in `overrides` or with update_config) and call again.")
+    if isinstance(e, UnsafeName):
+        return ToolError(f"{e}. Config arguments are names from config://index ({_available()}), not paths.")
+    if isinstance(e, FileNotFoundError):
+        return ToolError(str(e).strip("'\""))
+    if isinstance(e, KeyError):
+        return ToolError(str(e.args[0]) if e.args else str(e))
+    return ToolError(str(e))
+
+
+def _validate(config: str, overrides: dict[str, Any]) -> None:
+    from curry_train.service import resolve
+
+    try:
+        resolve(config, overrides, root())
+    except (ConfigError, UnsafeName, FileNotFoundError) as e:
+        raise tool_error(e) from None
+
+
+async def _long(task: str, args: dict[str, Any], ctx: Context, *, deadline_s: float, label: str) -> dict[str, Any]:
+    try:
+        return await run_worker(task, args, ctx=ctx, deadline_s=deadline_s, label=label, root=root())
+    except TimeoutError:
+        raise ToolError(f"{label} passed its {deadline_s:.0f}s deadline; every process it started was killed. "
+                        "Retry with fewer steps or a larger timeout_s.") from None
+    except WorkerError as e:
+        if e.kind == "invalid":
+            raise ToolError(f"{e.message}\nFix the arguments and call again.") from None
+        if e.kind == "busy":
+            raise ToolError(f"{e.message}. Another long job holds the device; retry when it finishes.") from None
+        if e.kind == "failed":
+            hint = ("Retry with a larger timeout_s." if "timed out" in e.message else
+                    "Read the failing rank's error above; fix the config or report it as a bug.")
+            raise ToolError(f"{label} failed: {e.message[:6000]}\n{hint}") from None
+        if e.kind == "cancelled":
+            raise ToolError(f"{label} was cancelled; every rank was killed.") from None
+        raise ToolError(f"{label} hit an internal error: {e.message[:2000]}. The traceback is in the server log.") \
+            from None
+
+
+def _json_result(model: BaseModel, image: bytes | None = None) -> CallToolResult:
+    data = model.model_dump(mode="json", by_alias=True)
+    content: list[Any] = [TextContent(type="text", text=json.dumps(data, default=str))]
+    if image is not None:
+        import base64
+
+        content.append(ImageContent(type="image", mime_type="image/png", data=base64.b64encode(image).decode()))
+    return CallToolResult(content=content, structured_content=data)
+
+
+# ------------------------------------------------------------------------------------------------ tools
+
+
+@mcp.tool(annotations=READ_ONLY)
+async def probe_hardware(
+    ctx: Context,
+    measure: Annotated[bool, Field(description="Also time a matmul per device and an all-reduce across the local "
+                                               "ranks (launches processes; takes the device lock).")] = False,
+) -> HardwareReport:
+    """What this machine has: GPUs (name, memory, compute capability, NVLink/PCIe topology), CPUs, RAM, torch /
+    CUDA / NCCL versions, distributed backends and launcher/SLURM environment. Call it first: the estimate, plan
+    and bench tools need to know the device memory and how the GPUs are linked."""
+    out = await _long("probe", {"measure": measure}, ctx, deadline_s=300.0 if measure else 60.0,
+                      label="probe_hardware")
+    return HardwareReport.model_validate(out)
+
+
+@mcp.tool(annotations=MEASURES, meta=BIG_RESULT)
+async def bench(
+    config: ConfigName,
+    ctx: Context,
+    steps: Annotated[int, Field(ge=1, le=1000, description="Timed optimizer steps (median reported).")] = 5,
+    warmup: Annotated[int, Field(ge=0, le=100, description="Untimed steps first (compile, allocator warm-up).")] = 1,
+    overrides: Overrides = {},  # noqa: B006 - never mutated; shows as {} in the schema
+    plot: Plot = False,
+    timeout_s: TimeoutS = 900.0,
+) -> Annotated[CallToolResult, BenchResult]:
+    """Run the config on this machine (world_size = dp*tp*pp*cp ranks through torchrun) and measure it: median
+    step time, tokens/s, per-rank peak memory split into params/grads/optimizer/activations/other, losses, OOM,
+    MFU, and the estimator's prediction beside the measurement. Recorded as a run (run://<run_id>); compare two
+    with runs_diff. Re-bench after every primitive you add."""
+    _validate(config, overrides)
+    out = await _long("bench", {"config": config, "steps": steps, "warmup": warmup, "overrides": overrides}, ctx,
+                      deadline_s=timeout_s, label="bench")
+    res = BenchResult.model_validate(out)
+    image = Path(res.plot_path).read_bytes() if plot and res.plot_path and Path(res.plot_path).is_file() else None
+    return _json_result(res, image)
+
+
+class ParamDiffOut(BaseModel):
+    name: str
+    max_abs_diff: float
+    allowed: float
+    ref_max_abs: float
+
+
+class WhiteboxVerdict(BaseModel):
+    """Mirror of curry_train.validation.whitebox.Verdict (kept torch-free here; a test checks the fields match)."""
+
+    model_config = ConfigDict(extra="allow")
+    passed: bool = Field(description="True when loss, every gradient and every updated parameter match the "
+                                     "single-device reference within tolerance.")
+    config_overrides: dict[str, Any] = Field(default_factory=dict)
+    world_size: int
+    steps: int
+    losses_ref: list[float]
+    losses_parallel: list[float]
+    loss_max_diff: float
+    grad_norm_ref: list[float]
+    grad_norm_parallel: list[float]
+    worst_parameter: ParamDiffOut | None = Field(description="Largest diff/allowed ratio over grads and params.")
+    first_diverging_layer: str | None = Field(description="Earliest module (forward order) with a failing tensor.")
+    failures: list[str] = Field(default_factory=list)
+    tolerance: dict[str, float]
+    n_params_compared: int
+    run_id: str | None = None
+    wall_s: float = 0.0
+
+
+@mcp.tool(annotations=READ_ONLY)
+async def whitebox_compare(
+    config: ConfigName,
+    ctx: Context,
+    steps: Annotated[int, Field(ge=1, le=50, description="Optimizer steps to compare.")] = 1,
+    overrides: Overrides = {},  # noqa: B006
+    timeout_s: TimeoutS = 900.0,
+) -> WhiteboxVerdict:
+    """Prove a parallel layout computes what one device computes: runs the config on its ranks and a single-process
+    reference from the same seed and batch, then compares the loss, every gradient (gathered to full shape) and
+    every parameter after the update. Returns passed/failed, the worst parameter and the first diverging layer.
+    Run it after every primitive you add, before trusting its speed or memory numbers."""
+    _validate(config, overrides)
+    out = await _long("whitebox", {"config": config, "steps": steps, "overrides": overrides}, ctx,
+                      deadline_s=timeout_s, label="whitebox_compare")
+    return WhiteboxVerdict.model_validate(out)
+
+
+@mcp.tool(annotations=WRITES_CONFIG)
+def update_config(
+    name: Annotated[str, Field(description="Config to write: configs/<name>.yaml (a plain name such as "
+                                           "'tiny-zero2').")],
+    changes: Annotated[dict[str, Any], Field(description='Dotted keys to set, e.g. {"parallel.zero": 2, '
+                                                         '"parallel.dp": 4}.')],
+    base: Annotated[str | None, Field(description="Start from this config instead of the current <name> "
+                                                  "(required when <name> does not exist yet).")] = None,
+) -> ConfigUpdate:
+    """Validate, then write configs/<name>.yaml atomically, keeping the previous version in configs/.history/.
+    Returns the path, the resolved config and the diff. An invalid config writes nothing and the error names each
+    field and its fix. Use it to apply the patch recommend_next proposes, one primitive at a time."""
+    from curry_train.config_store import update_config as store
+
+    try:
+        return store(name, changes, base, root=root())
+    except (ConfigError, UnsafeName, FileNotFoundError) as e:
+        raise tool_error(e) from None
+
+
+@mcp.tool(annotations=READ_ONLY, meta=BIG_RESULT)
+def runs_diff(
+    run_a: Annotated[str, Field(description="Baseline run id (from bench / whitebox_compare, or run://index).")],
+    run_b: Annotated[str, Field(description="Candidate run id.")],
+) -> RunsDiff:
+    """Compare two recorded runs: every config key that differs, every metric side by side with its b/a ratio,
+    and a one-line verdict (step time, throughput, peak memory, identical losses)."""
+    from curry_train.runs import Ledger, diff_runs
+
+    try:
+        ledger = Ledger(root())
+        return diff_runs(ledger.get(run_a), ledger.get(run_b))
+    except (UnsafeName, KeyError) as e:
+        raise tool_error(e) from None
+
+
+# ------------------------------------------------------------------------------------------------ the brain
+
+
+def _latest_bench(cfg_dict: dict[str, Any]) -> dict[str, Any] | None:
+    """The newest successful bench of exactly this resolved config, to draw beside an estimate."""
+    from curry_train.runs import Ledger
+
+    for rec in Ledger(root()).list(200):
+        if rec.kind == "bench" and rec.status == "ok" and rec.config == cfg_dict:
+            return rec.metrics
+    return None
+
+
+def _memory_png(est: Estimate, cfg: Any, title: str) -> bytes:
+    from curry_train.plots import memory_breakdown_png
+
+    bars = {"estimate": est.memory.model_dump()}
+    peaks = {"estimate": est.memory.total}
+    measured = _latest_bench(cfg.to_dict())
+    if measured and measured.get("memory_breakdown"):
+        bars["measured"] = measured["memory_breakdown"]
+        peaks["measured"] = measured.get("peak_memory_bytes") or 0
+    return memory_breakdown_png(bars, title=title, budget_bytes=est.usable_bytes, peaks=peaks)
+
+
+@mcp.tool(annotations=READ_ONLY, meta=BIG_RESULT)
+def estimate_memory(
+    config: ConfigName,
+    overrides: Overrides = {},  # noqa: B006
+    hardware: Annotated[str | None, Field(description="Hardware profile to time it on: A100-40, A100-80, H100, "
+                                                      "H200 or CPU (default: guessed from the config).")] = None,
+    plot: Plot = False,
+) -> Annotated[CallToolResult, Estimate]:
+    """Predict per-rank memory (params, grads, optimizer, activations, other, total) for the rank with the largest
+    total, whether it fits hardware.gpu_memory_gib, the parameter count, FLOPs per token, communication per
+    primitive and a step-time estimate, in milliseconds and without running anything. Models this template's
+    actual implementation (what bench measures); check it against bench before trusting a big decision."""
+    from curry_train.estimate import estimate_memory as est_fn
+    from curry_train.service import resolve
+
+    try:
+        cfg, name = resolve(config, overrides, root())
+        est = est_fn(cfg, hardware=hardware)
+    except (ConfigError, UnsafeName, FileNotFoundError, KeyError) as e:
+        raise tool_error(e) from None
+    image = None
+    if plot:
+        p = cfg.parallel
+        image = _memory_png(est, cfg, f"{name} DP={p.dp} ZERO={p.zero} TP={p.tp} PP={p.pp} CP={p.cp} ESTIMATE")
+    return _json_result(est, image)
+
+
+@mcp.tool(annotations=READ_ONLY)
+def recommend_next(
+    config: ConfigName,
+    symptom: Annotated[Literal["oom", "slow", "none"] | None, Field(
+        description="What goes wrong: oom, slow or none. Omit it to derive it from the estimate.")] = None,
+    overrides: Overrides = {},  # noqa: B006
+    measured_peak_bytes: Annotated[int | None, Field(
+        gt=0, description="bench's peak_memory_bytes, when a measurement says OOM but the estimate fits.")] = None,
+    hardware: Annotated[str | None, Field(description="Hardware profile: A100-40, A100-80, H100, H200 or CPU "
+                                                      "(default: guessed from the config).")] = None,
+) -> Recommendation:
+    """The next rung of the parallelism ladder for this config: ONE primitive (recompute, zero1/2/3, tp, pp, ep,
+    cp, dp or none) with the reason in numbers, the config_patch to apply with update_config, the expected memory
+    and throughput change, the rungs it rejected, and the white-box check to run after applying it. It follows
+    the ladder: recompute before more GPUs, the lowest ZeRO stage that fits, TP only after full sharding within a
+    node, PP only across nodes, EP only for MoE, CP only for long sequences; it says when only more GPUs help."""
+    from curry_train.advisor import recommend_next as advise
+    from curry_train.service import resolve
+
+    try:
+        resolve(config, overrides, root())  # unknown names and invalid overrides fail with their fix
+        return advise(config, symptom, overrides, hardware=hardware, measured_peak_bytes=measured_peak_bytes,
+                      root=root())
+    except (ConfigError, UnsafeName, FileNotFoundError, KeyError) as e:
+        raise tool_error(e) from None
+
+
+def _plan_png(p: Plan) -> bytes:
+    """The pipeline timeline of the final layout (its bubble), or its memory breakdown when it has no pipeline."""
+    from curry_train.plots import memory_breakdown_png, pipeline_timeline_png
+
+    f = p.final
+    if f.get("pp", 1) > 1:
+        m = p.global_batch // (f.get("dp", 1) * p.micro_batch)
+        return pipeline_timeline_png(f["pp"], m, f.get("pp_schedule", "1f1b"), f.get("pp_virtual", 1))
+    last = p.rungs[-1]
+    comp = {k: v * 2**30 for k, v in last.memory_gib.items()}
+    title = f"{p.model} ON {p.gpus} GPUS: DP={f.get('dp')} ZERO={f.get('zero')} TP={f.get('tp')} (NO PIPELINE)"
+    return memory_breakdown_png({"estimate": comp}, title=title, budget_bytes=p.gpu_memory_gib * 2**30)
+
+
+@mcp.tool(annotations=READ_ONLY, meta=BIG_RESULT)
+def plan(
+    model: Annotated[str, Field(description="Config name in configs/ whose model section to plan for (e.g. "
+                                            "'llama3-70b').")],
+    gpus_per_node: Annotated[int, Field(ge=1, le=1024, description="Accelerators per node.")],
+    nodes: Annotated[int, Field(ge=1, le=100_000, description="Nodes in the cluster.")],
+    gpu_memory_gib: Annotated[float, Field(gt=0, le=4096, description="Memory per accelerator, GiB (e.g. 80).")],
+    seq_len: Annotated[int, Field(ge=2, le=10_000_000, description="Tokens per sequence.")],
+    global_batch: Annotated[int, Field(ge=1, le=100_000_000, description="Sequences per optimizer step.")],
+    micro_batch: Annotated[int, Field(ge=1, description="Sequences per data-parallel rank per forward.")] = 1,
+    hardware: Annotated[str | None, Field(description="Hardware profile: A100-40, A100-80, H100, H200 (default: "
+                                                      "guessed from gpu_memory_gib).")] = None,
+    plot: Annotated[bool, Field(description="Also return a PNG: the pipeline-schedule timeline of the final layout "
+                                            "(its bubble), or its memory breakdown without a pipeline.")] = False,
+) -> Annotated[CallToolResult, Plan]:
+    """Plan a layout for a model on a cluster without running anything: climb the ladder from plain data
+    parallelism one rung at a time (each rung with its per-rank memory and step-time estimate) until it fits and
+    is not communication-bound, then rank every valid N-D layout (dp x tp x pp x cp, ZeRO stage, recompute,
+    pipeline schedule) that fits by estimated step time. Returns the rungs, `final` (the parallel section to put
+    in a config) and whether it fits."""
+    from curry_train.planner import plan as make_plan
+
+    try:
+        p = make_plan(model, gpus_per_node, nodes, gpu_memory_gib, seq_len, global_batch, micro_batch=micro_batch,
+                      hardware=hardware, root=root())
+    except (ConfigError, UnsafeName, FileNotFoundError, KeyError, ValueError) as e:
+        raise tool_error(e) from None
+    return _json_result(p, _plan_png(p) if plot else None)
+
+
+@mcp.tool(annotations=READ_ONLY, meta=BIG_RESULT)
+async def capacity_sweep(
+    config: ConfigName,
+    ctx: Context,
+    overrides: Overrides = {},  # noqa: B006
+    measured: Annotated[bool, Field(description="Verify with real runs on this machine (binary search around the "
+                                                "estimate; launches ranks, takes the device lock). Default: "
+                                                "estimator only, milliseconds.")] = False,
+    rungs: Annotated[list[str] | None, Field(description="Only these rungs, by label: single, single+recompute, "
+                                                         "ddp, zero1, zero2, zero3, zero3+recompute, tp<t>, "
+                                                         "ep<e>, tp<t>+pp<p> (default: every rung the hardware "
+                                                         "allows).")] = None,
+    max_micro_batch: Annotated[int, Field(ge=1, le=1 << 20, description="Upper end of the micro-batch search.")]
+    = 4096,
+    max_runs_per_rung: Annotated[int, Field(ge=1, le=64, description="Measured mode: real runs per search.")] = 8,
+    timeout_s: TimeoutS = 1800.0,
+) -> SweepResult:
+    """Under each rung of the ladder (one device, + recompute, DDP, ZeRO-1/2/3, + TP, + PP), the largest
+    micro-batch and the largest model of the config's width x depth family that fit the per-rank budget
+    (hardware.gpu_memory_gib). Use it to find where single-device training stops fitting and which rung a
+    target model size needs, before picking a primitive."""
+    args = {"config": config, "overrides": overrides, "rungs": rungs, "max_micro_batch": max_micro_batch,
+            "max_runs_per_rung": max_runs_per_rung}
+    _validate(config, overrides)
+    if rungs:
+        from curry_train.service import resolve
+        from curry_train.sweep import ladder_rungs
+
+        known = [label for label, _ in ladder_rungs(resolve(config, overrides, root())[0])]
+        if unknown := [r for r in rungs if r not in known]:
+            raise ToolError(f"unknown rung(s) {unknown}; this config's hardware allows: {', '.join(known)}")
+    if measured:
+        out = await _long("sweep", args, ctx, deadline_s=timeout_s, label="capacity_sweep")
+        return SweepResult.model_validate(out)
+    import anyio
+    from curry_train.sweep import capacity_sweep as sweep
+
+    def run() -> SweepResult:
+        return sweep(config, overrides, rungs=rungs, max_micro_batch=max_micro_batch, root=root())
+
+    try:
+        return await anyio.to_thread.run_sync(run)
+    except (ConfigError, UnsafeName, FileNotFoundError, KeyError, ValueError) as e:
+        raise tool_error(e) from None
+
+
+# ------------------------------------------------------------------------------------------------ resources
+
+
+@mcp.resource("skill://index", mime_type="application/json", title="curryTrain skills")
+def skill_index() -> str:
+    """Every skill: name, description and the URI of its SKILL.md."""
+    from .skills_ext import frontmatter
+
+    out = []
+    for md in sorted(SKILLS_DIR.glob("*/SKILL.md")):
+        fm = frontmatter(md.read_text(encoding="utf-8"))
+        out.append({"name": md.parent.name, "uri": f"skill://{md.parent.name}/SKILL.md",
+                    "description": fm.get("description", "")})
+    return json.dumps(out, indent=1)
+
+
+@mcp.resource("config://index", mime_type="application/json", title="Configs")
+def config_index() -> str:
+    """The config names tools accept, with each one's parallel section."""
+    import yaml
+
+    out = []
+    for p in sorted(configs_dir(root()).glob("*.yaml")):
+        try:
+            raw = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
+        except yaml.YAMLError:
+            raw = {}
+        out.append({"name": p.stem, "uri": f"config://{p.stem}", "parallel": raw.get("parallel"),
+                    "model": {k: (raw.get("model") or {}).get(k) for k in ("d_model", "n_layers", "num_experts")}})
+    return json.dumps(out, indent=1)
+
+
+def _config_text(name: str) -> str:
+    try:
+        check_name(name, "config name")
+    except UnsafeName as e:
+        raise ResourceNotFoundError(str(e)) from None
+    path = configs_dir(root()) / f"{name}.yaml"
+    if not path.is_file():
+        raise ResourceNotFoundError(f"no config {name!r}; available: {_available()}")
+    return path.read_text(encoding="utf-8")
+
+
+@mcp.resource("config://{name}", mime_type="application/yaml", title="A config (YAML)")
+def config_resource(name: str) -> str:
+    """configs/<name>.yaml as stored."""
+    return _config_text(name)
+
+
+def _register_configs() -> None:
+    """Concrete entries for resources/list (configs written later are still readable through the template)."""
+    for p in sorted(configs_dir(root()).glob("*.yaml")):
+        mcp.add_resource(FunctionResource(uri=f"config://{p.stem}", name=f"config {p.stem}", title=f"Config {p.stem}",
+                                          mime_type="application/yaml",
+                                          fn=(lambda n=p.stem: _config_text(n))))
+
+
+@mcp.resource("run://index", mime_type="application/json", title="Recent runs")
+def run_index() -> str:
+    """The 50 most recent runs: id, kind, config, status and headline metrics."""
+    from curry_train.runs import Ledger
+
+    keys = ("step_time_s", "peak_memory_bytes", "passed", "last_loss", "oom")
+    out = [{"run_id": r.run_id, "uri": f"run://{r.run_id}", "kind": r.kind, "config": r.config_name,
+            "status": r.status, "created": r.created, **{k: r.metrics[k] for k in keys if k in r.metrics}}
+           for r in Ledger(root()).list(50)]
+    return json.dumps(out, indent=1)
+
+
+@mcp.resource("run://{run_id}", mime_type="application/json", title="A recorded run")
+def run_resource(run_id: str) -> str:
+    """One run: the resolved config, its metrics (bench result or white-box verdict), status and error."""
+    from curry_train.runs import Ledger
+
+    try:
+        return Ledger(root()).get(run_id).model_dump_json(indent=1)
+    except (UnsafeName, KeyError) as e:
+        raise ResourceNotFoundError(str(e.args[0]) if isinstance(e, KeyError) else str(e)) from None
+
+
+@mcp.resource("run://{run_id}/memory.png", mime_type="image/png", title="A bench's memory breakdown")
+def run_memory_png(run_id: str) -> bytes:
+    """The per-rank memory breakdown (estimate vs measured) a bench drew."""
+    from curry_train.paths import run_dir
+
+    try:
+        path = run_dir(run_id, root()) / "memory.png"
+    except UnsafeName as e:
+        raise ResourceNotFoundError(str(e)) from None
+    if not path.is_file():
+        raise ResourceNotFoundError(f"run {run_id!r} has no memory.png (only bench runs draw one)")
+    return path.read_bytes()
+
+
+# ------------------------------------------------------------------------------------------------ prompts
+
+
+@mcp.prompt(title="Diagnose scaling: which parallelism primitive next?")
+def diagnose_scaling(
+    config: Annotated[str, Field(description="Config name in configs/ to start from")] = "tiny",
+    symptom: Annotated[Literal["oom", "slow", "unknown"], Field(description="What goes wrong now")] = "unknown",
+    goal: Annotated[str, Field(description="What the user wants, e.g. 'fit llama3-8b on 8 H100s'")] = "",
+) -> list[UserMessage]:
+    """Walk the stage-4 procedure on a config: measure, recommend one primitive, apply, re-measure, prove parity."""
+    sym = "" if symptom == "unknown" else f' (symptom: "{symptom}")'
+    text = f"""Help me scale training of config `{config}`{sym}.{' Goal: ' + goal if goal else ''}
+
+Follow the curryTrain stage-4 procedure (skill://stage4-parallel-primitive-intro/SKILL.md), one rung at a time:
+1. Read skill://stage4-parallel-primitive-intro/SKILL.md, then call probe_hardware to see the devices and links.
+2. Call estimate_memory(config="{config}") and bench(config="{config}") to get the baseline: does it fit, is it
+   memory- or throughput-bound? Quote the per-rank numbers (params, grads, optimizer, activations).
+3. Call recommend_next(config="{config}"{', symptom="' + symptom + '"' if symptom != "unknown" else ""}) and explain
+   its reason with the numbers. Follow the ladder: recompute for a single-device OOM, then the lowest ZeRO stage
+   that fits, TP only within a node after full sharding + recompute, PP only across nodes when communication
+   dominates, EP only for MoE, CP only for long sequences.
+4. Apply exactly one primitive with update_config(name="{config}-next", changes=<config_patch>, base="{config}").
+5. bench the new config, then whitebox_compare it: the parallel run must match one device before its numbers count.
+6. runs_diff the two bench runs and state what the primitive bought (memory, step time) and what it cost.
+7. Repeat from step 3 until it fits the budget and is not communication-bound; stop and say so when the only
+   answer is more GPUs."""
+    return [UserMessage(text)]
+
+
+_register_configs()

@@ -1,0 +1,134 @@
+"""The main job: `curry-train climb` walks the ladder until the budget fits, one white-boxed primitive per rung.
+
+The loop is tested with bench / white-box replaced by the estimator (no launch); the last test is the README's
+command for real (torchrun, the advisor, the estimator, the white-box), marked slow.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+from curry_train import climb as climb_mod
+from curry_train import service
+from curry_train.bench import BenchResult, EstimateSide, MemoryBreakdown
+from curry_train.climb import climb, format_table
+from curry_train.config import load_config
+from curry_train.config_store import history
+from curry_train.estimate import estimate_memory
+
+
+@pytest.fixture
+def fake_runs(monkeypatch):
+    """bench = the estimator's total (+1%); whitebox passes unless a layout is listed in `broken`."""
+    calls: dict[str, list] = {"bench": [], "whitebox": [], "recommend": []}
+    broken: list[dict] = []
+
+    def fake_bench(name, steps=5, warmup=1, overrides=None, *, root=None, timeout=0, cancel=None, progress=None):
+        cfg, _ = service.resolve(name, overrides, root)
+        est = estimate_memory(cfg).memory
+        peak = int(est.total * 1.01)
+        calls["bench"].append(cfg.parallel.model_dump())
+        budget = int(cfg.hardware.gpu_memory_gib * 2**30)
+        return BenchResult(
+            run_id=f"bench-{len(calls['bench'])}", config_name=name, world_size=cfg.world_size, device="cpu",
+            parallel=cfg.parallel.model_dump(), steps=steps, warmup=warmup, step_time_s=0.01, tokens_per_s=1.0,
+            peak_memory_bytes=peak, memory_breakdown=MemoryBreakdown(peak=peak), memory_budget_bytes=budget,
+            losses=[5.0], loss_finite=True, oom=peak > budget,
+            estimate=EstimateSide(**{k: getattr(est, k) for k in ("params", "grads", "optimizer", "activations",
+                                                                 "other", "total")}), wall_s=0.1)
+
+    def fake_whitebox(name, overrides=None, *, steps=1, root=None, timeout=0, cancel=None, break_grad_sync=None):
+        cfg, _ = service.resolve(name, overrides, root)
+        calls["whitebox"].append(cfg.parallel.model_dump())
+        return SimpleNamespace(passed=cfg.parallel.model_dump() not in broken, run_id=f"wb-{len(calls['whitebox'])}")
+
+    monkeypatch.setattr("curry_train.bench.bench", fake_bench)
+    monkeypatch.setattr(service, "whitebox", fake_whitebox)
+    return SimpleNamespace(calls=calls, broken=broken)
+
+
+def _advisor(monkeypatch, steps: list[tuple[str, dict]]):
+    seq = iter(steps)
+
+    def rec(name, root, measured_peak_bytes):
+        primitive, patch = next(seq, ("none", {}))
+        return SimpleNamespace(primitive=primitive, config_patch=patch, reason=f"because {primitive}")
+
+    monkeypatch.setattr(climb_mod, "_recommend", rec)
+
+
+LADDER = [("recompute", {"parallel.recompute": "full"}), ("zero3", {"parallel.dp": 2, "parallel.zero": 3}),
+          ("zero3", {"parallel.dp": 4})]
+
+
+def test_climbs_one_white_boxed_primitive_per_rung_until_the_budget_fits(project, fake_runs, monkeypatch):
+    _advisor(monkeypatch, LADDER)
+    tiny = (project / "configs" / "tiny.yaml").read_bytes()
+    budget = int(estimate_memory("tiny", {"parallel.dp": 4, "parallel.zero": 3, "parallel.recompute": "full"},
+                                 root=project).memory.total * 1.02)
+    r = climb("tiny", budget, root=project)
+    assert [g.primitive for g in r.rungs] == ["baseline", "recompute", "zero3", "zero3"]
+    assert r.fits and r.rungs[-1].fits and not any(g.fits for g in r.rungs[:-1])
+    assert [g.parity for g in r.rungs] == ["ref", "passed", "passed", "passed"]
+    assert r.final_parallel["dp"] == 4 and r.final_parallel["recompute"] == "full"
+    assert all(g.predicted_bytes and g.measured_bytes for g in r.rungs)
+    assert (project / "configs" / "tiny.yaml").read_bytes() == tiny  # the base is never rewritten
+    assert len(history("tiny-climb", root=project)) == 3  # one saved version per applied primitive
+    table = format_table(r)
+    assert "predicted" in table and "measured" in table and "parity" in table and "FITS" in table
+    assert len(fake_runs.calls["whitebox"]) == 3  # every rung after the baseline
+
+
+def test_the_climb_config_is_fitted_to_this_machine(project, fake_runs, monkeypatch):
+    _advisor(monkeypatch, [])
+    r = climb("tiny", 10**9, root=project)
+    assert r.fits and len(r.rungs) == 1
+    cfg = load_config(project / "configs" / "tiny-climb.yaml")
+    assert cfg.hardware.device == "cpu" and cfg.hardware.gpus_per_node <= climb_mod.CPU_MAX_RANKS
+    assert cfg.hardware.gpu_memory_gib == pytest.approx(10**9 / 2**30)
+
+
+def test_a_failed_parity_check_stops_the_climb(project, fake_runs, monkeypatch):
+    _advisor(monkeypatch, LADDER)
+    base = load_config(project / "configs/tiny.yaml").parallel.model_dump()
+    fake_runs.broken.append({**base, "recompute": "full"})
+    r = climb("tiny", 1000, root=project)
+    assert [g.parity for g in r.rungs] == ["ref", "FAILED"] and not r.fits and "parity FAILED" in r.stopped
+
+
+def test_the_climb_stops_when_the_advisor_has_no_rung_left_or_repeats_itself(project, fake_runs, monkeypatch):
+    _advisor(monkeypatch, [("recompute", {"parallel.recompute": "full"})])
+    r = climb("tiny", 1000, root=project)
+    assert len(r.rungs) == 2 and not r.fits and "no further rung" in r.stopped
+    _advisor(monkeypatch, [("recompute", {"parallel.recompute": "full"})] * 2)
+    r = climb("tiny", 1000, root=project, name="again")
+    assert len(r.rungs) == 2 and "repeated" in r.stopped
+
+
+def test_bad_arguments_are_refused_before_anything_runs(project, fake_runs, tmp_path):
+    (tmp_path / "elsewhere.yaml").write_text((project / "configs" / "tiny.yaml").read_text())
+    with pytest.raises(ValueError, match="must be in"):
+        climb(str(tmp_path / "elsewhere.yaml"), 10**6, root=project)
+    with pytest.raises(ValueError, match="never rewrites"):
+        climb("tiny", 10**6, root=project, name="tiny")
+    with pytest.raises(ValueError, match="positive"):
+        climb("tiny", 0, root=project)
+    with pytest.raises(FileNotFoundError, match="tiny-moe"):
+        climb("nope", 10**6, root=project)
+    assert fake_runs.calls["bench"] == []
+
+
+@pytest.mark.slow
+@pytest.mark.multirank
+def test_the_readme_climb_runs_for_real_and_fits_in_at_least_three_rungs(project):
+    r = subprocess.run([sys.executable, "-m", "curry_train.cli", "climb", "--config", "configs/tiny.yaml",
+                        "--memory-budget", str(climb_mod.README_BUDGET), "--root", str(project), "--json"],
+                       capture_output=True, text=True, timeout=900, cwd=project, check=False)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout)
+    assert out["fits"] and len(out["rungs"]) >= 4  # baseline + at least three primitives
+    assert all(g["parity"] in ("ref", "passed") for g in out["rungs"])
