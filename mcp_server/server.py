@@ -35,7 +35,7 @@ from mcp.server.mcpserver.exceptions import ResourceNotFoundError, ToolError
 from mcp.server.mcpserver.prompts.base import UserMessage
 from mcp.server.mcpserver.resources import FunctionResource
 from mcp.types import CallToolResult, ImageContent, TextContent, ToolAnnotations
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from .jobs import WorkerError, run_worker
 from .skills_ext import SkillsExtension
@@ -62,8 +62,15 @@ BIG_RESULT = {"anthropic/maxResultSizeChars": 200_000}
 mcp = MCPServer("curry-train", version="0.1.0", instructions=INSTRUCTIONS,
                 extensions=[SkillsExtension(SKILLS_DIR)])
 
-ConfigName = Annotated[str, Field(description="Name of a config in configs/ (e.g. 'tiny', 'llama3-8b'); not a path. "
-                                              "List them with the config://index resource.")]
+
+def _name_only(value: str) -> str:
+    """A config argument is a name, never a path: '/', '..' and the like are refused before any file is read."""
+    return check_name(value, "config name")
+
+
+ConfigName = Annotated[str, AfterValidator(_name_only),
+                       Field(description="Name of a config in configs/ (e.g. 'tiny', 'llama3-8b'); not a path. "
+                                         "List them with the config://index resource.")]
 Overrides = Annotated[dict[str, Any], Field(description="Dotted overrides applied without writing the file, e.g. "
                                                         '{"parallel.dp": 2, "parallel.zero": 3}.')]
 TimeoutS = Annotated[float, Field(gt=0, le=24 * 3600, description="Deadline in seconds; every rank is killed when "
@@ -351,8 +358,9 @@ def _plan_png(p: Plan) -> bytes:
 
 @mcp.tool(annotations=READ_ONLY, meta=BIG_RESULT)
 def plan(
-    model: Annotated[str, Field(description="Config name in configs/ whose model section to plan for (e.g. "
-                                            "'llama3-70b').")],
+    model: Annotated[str, AfterValidator(_name_only),
+                     Field(description="Config name in configs/ whose model section to plan for (e.g. 'llama3-70b'); "
+                                       "not a path.")],
     gpus_per_node: Annotated[int, Field(ge=1, le=1024, description="Accelerators per node.")],
     nodes: Annotated[int, Field(ge=1, le=100_000, description="Nodes in the cluster.")],
     gpu_memory_gib: Annotated[float, Field(gt=0, le=4096, description="Memory per accelerator, GiB (e.g. 80).")],
