@@ -129,14 +129,22 @@ def parallelize(model: nn.Module, mesh: Any, cfg: Config, *, topo: Topology, dev
 
 
 def _grad_sync_fn(par: Parallelized) -> Callable[[bool], None]:
-    """Toggle gradient reduction for accumulation micro-steps (DDP: require_backward_grad_sync, as nanoGPT does
-    instead of no_sync(); FSDP2: set_requires_gradient_sync). A no-op for a single process."""
+    """Gradient reduction on accumulation micro-steps.
+
+    DDP / ZeRO-1: skip the all-reduce until the last micro-step (require_backward_grad_sync, as nanoGPT does
+    instead of no_sync()): the accumulated full gradient is there anyway, so earlier syncs would be redundant.
+    ZeRO-2/3 (FSDP2): reduce-scatter on *every* micro-step. Skipping it (set_requires_gradient_sync(False)) makes
+    FSDP2 keep each unit's unsharded fp32 gradient across micro-steps, i.e. the full 4 bytes/param per rank that
+    ZeRO-2 exists to remove (Rajbhandari et al. 2019, §5.2: P_g reduce-scatters gradients as they are produced).
+    The extra (m-1) reduce-scatters are the price of keeping gradients sharded. Pipeline schedules manage their
+    stages' sync themselves. A no-op for a single process.
+    """
 
     def set_sync(enabled: bool) -> None:
         for part in par.parts:
-            if hasattr(part, "set_requires_gradient_sync"):  # FSDP2 module
-                part.set_requires_gradient_sync(enabled)
-            elif hasattr(part, "require_backward_grad_sync"):  # DDP
+            if hasattr(part, "set_requires_gradient_sync"):  # FSDP2 module: always reduce-scatter (see above)
+                continue
+            if hasattr(part, "require_backward_grad_sync"):  # DDP
                 part.require_backward_grad_sync = enabled
 
     return set_sync
