@@ -19,7 +19,7 @@ VALID_ON_TINY = [
     {"parallel.dp": 2, "parallel.zero": 3, "parallel.tp": 2, "parallel.sp": True},
     {"parallel.dp": 2, "parallel.tp": 2, "parallel.pp": 2, "parallel.zero": 3},
     {"parallel.cp": 2}, {"parallel.cp": 4}, {"parallel.dp": 2, "parallel.cp": 2, "parallel.zero": 3},
-    {"parallel.cp": 2, "parallel.tp": 2},
+    {"parallel.cp": 2, "parallel.tp": 2, "parallel.zero": 3},
 ]
 
 

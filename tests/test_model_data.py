@@ -14,7 +14,7 @@ TINY = REPO / "configs" / "tiny.yaml"
 
 def test_init_depends_only_on_the_seed_and_each_parameter_name():
     a = build_model(load_config(TINY))
-    b = build_model(load_config(TINY, {"parallel.dp": 4, "parallel.tp": 2}))
+    b = build_model(load_config(TINY, {"parallel.dp": 4, "parallel.tp": 2, "parallel.zero": 3}))
     c = build_model(load_config(TINY, {"train.seed": 1}))
     sa, sb, sc = a.state_dict(), b.state_dict(), c.state_dict()
     assert all(torch.equal(sa[k], sb[k]) for k in sa)
