@@ -41,7 +41,6 @@ SMOKE = {"model.vocab_size": 256, "model.d_model": 64, "model.n_layers": 2, "mod
 
 def mfu_run(overrides: dict, steps: int, warmup: int) -> dict:
     import torch
-
     from curry_train.config import load_config
     from curry_train.estimate import flops_per_token, peak_flops
     from curry_train.model import count_params
@@ -64,7 +63,6 @@ def mfu_run(overrides: dict, steps: int, warmup: int) -> dict:
 
 def memory_run(base: dict, cases: dict) -> dict:
     import torch
-
     from curry_train.config import load_config
     from curry_train.estimate import estimate
     from curry_train.memory import measure_memory

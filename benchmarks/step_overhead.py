@@ -16,7 +16,6 @@ import statistics
 import time
 
 import torch
-
 from curry_train.config import load_config, parse_sets
 from curry_train.data import global_batch
 from curry_train.model import build_model, lm_loss

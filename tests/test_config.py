@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-
 from curry_train.config import Config, ConfigError, check, from_dict, load_config, parse_sets
+
 from tests.conftest import REPO
 
 TINY = REPO / "configs" / "tiny.yaml"

@@ -6,7 +6,6 @@ import os
 import time
 
 import pytest
-
 from curry_train.launch import LaunchError, run_torchrun, start_torchrun
 
 pytestmark = pytest.mark.multirank

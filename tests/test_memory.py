@@ -23,12 +23,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from curry_train.config import load_config
 from curry_train.jobs import JOBS, rank_jobs
 from curry_train.launch import launch_forkserver
 from curry_train.memory import CATEGORIES, measure_memory
 from curry_train.model import build_model
+
 from tests.conftest import REPO
 
 TINY = REPO / "configs" / "tiny.yaml"

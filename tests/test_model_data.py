@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import torch
-
 from curry_train.config import load_config
 from curry_train.data import cp_positions, global_batch, micro_batches
 from curry_train.model import build_model, count_params
+
 from tests.conftest import REPO
 
 TINY = REPO / "configs" / "tiny.yaml"

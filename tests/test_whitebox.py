@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
-
 from curry_train.config import load_config
 from curry_train.validation.whitebox import whitebox_batch
+
 from tests.conftest import REPO
 
 TINY = REPO / "configs" / "tiny.yaml"

@@ -15,7 +15,8 @@ import argparse
 import importlib
 import json
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 # Feature modules that add their own subcommands: each defines add_subcommands(subparsers).
 EXTENSIONS = ["curry_train.cli_brain", "curry_train.cli_tools", "curry_train_mcp.cli"]

@@ -32,7 +32,7 @@ class Topology:
             raise ValueError(f"ep={self.ep} must divide dp={self.dp} (EP is carved from the data-parallel ranks)")
 
     @classmethod
-    def from_config(cls, cfg: Config) -> "Topology":
+    def from_config(cls, cfg: Config) -> Topology:
         validate_config(cfg)
         p = cfg.parallel
         return cls(dp=p.dp, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep)

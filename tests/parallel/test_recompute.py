@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-
 from curry_train.config import load_config
 from curry_train.data import global_batch, micro_batches
 from curry_train.memory import _is_recomputing, measure_memory
 from curry_train.model import build_model, lm_loss
 from curry_train.parallel.recompute import apply_recompute
+from torch.utils._python_dispatch import TorchDispatchMode
+
 from tests.conftest import REPO
 
 TINY = REPO / "configs" / "tiny.yaml"

@@ -8,9 +8,9 @@ That the stages really shard is measured in tests/test_memory.py.
 from __future__ import annotations
 
 import pytest
-
 from curry_train.config import load_config
 from curry_train.validation.whitebox import whitebox_batch
+
 from tests.conftest import REPO
 
 TINY = REPO / "configs" / "tiny.yaml"

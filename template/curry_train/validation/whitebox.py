@@ -30,38 +30,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from pydantic import BaseModel, Field
 
 from ..config import Config, from_dict
+from .verdict import ParamDiff, Verdict
 
 FP32 = {"loss_rtol": 1e-5, "grad_atol": 1e-6, "grad_rtol": 1e-5, "param_atol": 1e-5, "param_lr_frac": 0.1}
 BF16 = {"loss_rtol": 2e-2, "grad_rel_l2": 5e-2}
-
-
-class ParamDiff(BaseModel):
-    name: str
-    max_abs_diff: float
-    allowed: float = Field(description="The tolerance this parameter was held to (same units).")
-    ref_max_abs: float
-
-
-class Verdict(BaseModel):
-    passed: bool
-    config_overrides: dict[str, Any] = Field(default_factory=dict)
-    world_size: int
-    steps: int
-    losses_ref: list[float]
-    losses_parallel: list[float]
-    loss_max_diff: float
-    grad_norm_ref: list[float]
-    grad_norm_parallel: list[float]
-    worst_parameter: ParamDiff | None = Field(description="Largest diff/allowed ratio over grads and params.")
-    first_diverging_layer: str | None = Field(description="Earliest module (forward order) with a failing tensor.")
-    failures: list[str] = Field(default_factory=list, description="What failed, most important first.")
-    tolerance: dict[str, float]
-    n_params_compared: int
-    run_id: str | None = None
-    wall_s: float = 0.0
 
 
 # --------------------------------------------------------------------------- parallel side (inside the ranks)
