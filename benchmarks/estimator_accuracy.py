@@ -193,9 +193,9 @@ def main(argv: list[str] | None = None) -> int:
             summary[f"{k}_max_error"] = round(max(errs), 4)
             summary[f"{k}_median_error"] = round(statistics.median(errs), 4)
     summary["worst_total"] = max(results, key=lambda r: abs(r["error"]["total"]))["name"] if results else None
-    # memory.py registers a storage when an op outputs it; torch.distributed.pipelining's per-micro-batch receive
-    # buffers are allocated before the measured step and filled by c10d, so the ones no op has touched yet at
-    # the peak are missing from the measurement (the estimate counts them: they are allocated)
+    # Before memory.py registered torch.distributed.pipelining's receive buffers when tracking starts (they are
+    # allocated in the first step and filled by c10d, not by an aten op), the ones no op had touched yet at the
+    # peak were missing from the measurement and PP totals were off by up to 4.5%; kept to compare with old runs.
     no_pp = [abs(r["error"]["total"]) for r in results if "pp" not in r["name"]]
     if no_pp:
         summary["total_max_error_without_pp"] = round(max(no_pp), 4)

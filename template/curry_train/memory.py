@@ -27,7 +27,7 @@ category:
                 recomputation during backward, while alive: what backward reads, plus forward transients.
   other         the rest: activation gradients and other backward temporaries, FSDP's staging buffers (the
                 copy-in / mixed-precision cast of the shards, the flat all-gather output, the reduce-scatter
-                input), optimizer-step temporaries, module buffers (RoPE tables).
+                input), optimizer-step temporaries, module buffers (RoPE tables), the pipeline's receive buffers.
 
 Each category field is that category's maximum over the step. `peak` is the maximum of the total, which is at
 most the sum of the fields (the categories peak at different moments: activations at the end of a forward,
@@ -38,12 +38,13 @@ after every aten op that allocates and every storage resize, so the numbers are 
 repeat run to run, with one exception: a buffer handed to an asynchronous collective is freed by the backend's
 thread when the collective completes (FSDP's reduce-scatter input), so `other` and `peak` can differ between
 runs and ranks by up to one FSDP unit's gradient bytes. DDP's buckets live in C++: they count by size until
-the reducer's first write into one reveals its storage. Not seen: workspaces a kernel allocates and frees
-internally, the communication backend's own buffers (gloo threads, NCCL), allocator rounding. On CUDA the
-report also carries torch.cuda's own peak figures for the same step (`cuda_*`, which include the 512-byte
-rounding and kernel workspaces; the CUDA context is in neither). torch's MemTracker was not used: it refuses a
-root module called more than once per step (gradient accumulation) and lacks the DDP-bucket and FSDP categories
-above.
+the reducer's first write into one reveals its storage. The pipeline's receive buffers are allocated in the first
+step and filled by c10d without an aten op: they are registered by role when tracking starts. Not seen: workspaces a
+kernel allocates and frees internally, the communication backend's own buffers (gloo threads, NCCL), allocator
+rounding. On CUDA the report also carries torch.cuda's own peak figures for the same step (`cuda_*`, which include
+the 512-byte rounding and kernel workspaces; the CUDA context is in neither). torch's MemTracker was not used: it
+refuses a root module called more than once per step (gradient accumulation) and lacks the DDP-bucket and FSDP
+categories above.
 """
 
 from __future__ import annotations
@@ -109,6 +110,20 @@ def _is_recomputing() -> bool:
     return bool(hooks) and "_recomputation_hook" in getattr(hooks[0], "__qualname__", "")
 
 
+def _pipeline_recv_buffers(par: Any) -> list[torch.Tensor]:
+    """torch.distributed.pipelining's receive buffers on this rank (torch 2.13 stage.py): per stage, one activation
+    buffer per micro-batch unless it is the first stage (`args_recv_info`) and one gradient buffer per micro-batch
+    unless it is the last (`grad_recv_info`). The first step allocates them and every step reuses them; a V
+    schedule's same-rank hand-over replaces a buffer with the tensor handed over (kept until the next one)."""
+    schedule = getattr(par, "schedule", None)
+    if schedule is None:
+        return []
+    stages = getattr(schedule, "_stages", None) or [schedule._stage]  # multi-stage / single-stage schedules
+    infos = [info for st in stages for recv in (*st.args_recv_info.values(), *st.grad_recv_info.values())
+             for info in recv]
+    return [info.buffer for info in infos if _real(info.buffer)]
+
+
 class StepMemoryTracker(TorchDispatchMode):
     """Tracks every storage alive while it is active; `par` (train.Parallelized) names the persistent roles."""
 
@@ -152,6 +167,8 @@ class StepMemoryTracker(TorchDispatchMode):
         for part in par.parts:
             for b in part.buffers():
                 self._register(b, "pre")
+        for t in _pipeline_recv_buffers(par):  # filled by c10d, not by an aten op: only found by role
+            self._register(t, "pre")
         self.copy_keys = set()  # FSDP's unsharded parameters: storages it resizes to 0 and back, so keys persist
         for fp in self.fsdp_params:
             for t in [*fp.all_gather_outputs, fp.__dict__.get("_unsharded_param")]:

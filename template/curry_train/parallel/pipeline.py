@@ -156,9 +156,11 @@ def pipeline_forward_backward(par, inputs: torch.Tensor, targets: torch.Tensor) 
     losses: list[torch.Tensor] = []
     args = (x,) if 0 in par.stage_ids else ()  # the owner of stage 0 feeds the tokens
     kwargs = {"target": y, "losses": losses} if last in par.stage_ids else {}
-    # loss_parallel must cover the backward too (the schedule runs it inside step()).
+    # loss_parallel must cover the backward too (the schedule runs it inside step()). return_outputs=False: the
+    # last stage would otherwise keep every micro-batch's logits [mb, T, V] in output_chunks until the next step
+    # (torch 2.13 schedules.py, stage.forward_one_chunk's save_forward_output); only the losses are used here.
     with par.autocast(), par.loss_context():
-        par.schedule.step(*args, **kwargs)
+        par.schedule.step(*args, return_outputs=False, **kwargs)
     loss = torch.stack([_plain(t).detach().float() for t in losses]).mean() if losses else torch.zeros(())
     loss = loss.to(par.device)
     # Only the last stage has the loss: summing over the pp group hands it to every stage ...
