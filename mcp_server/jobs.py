@@ -20,11 +20,11 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import anyio
 from anyio.streams.text import TextReceiveStream
+from curry_train.launch import alive, descendants  # the /proc process tree (shared with Job.kill)
 
 logger = logging.getLogger(__name__)
 
@@ -42,54 +42,6 @@ class WorkerError(Exception):
 
 
 # ------------------------------------------------------------------------------------------ process tree
-
-
-def _proc_stat(pid: int) -> tuple[int, int] | None:
-    """(ppid, start time in clock ticks) from /proc, or None if the process is gone (Linux only)."""
-    try:
-        data = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = data[data.rindex(")") + 2:].split()  # the name may contain spaces and parentheses
-    return int(fields[1]), int(fields[19])
-
-
-def descendants(pid: int) -> dict[int, int]:
-    """Every process below `pid`: {pid: start time}, for a later kill that cannot hit a recycled pid."""
-    if not Path("/proc").is_dir():
-        return {}
-    children: dict[int, list[int]] = {}
-    starts: dict[int, int] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            st = _proc_stat(int(entry))
-            if st is not None:
-                children.setdefault(st[0], []).append(int(entry))
-                starts[int(entry)] = st[1]
-    out: dict[int, int] = {}
-    stack = [pid]
-    while stack:
-        for child in children.get(stack.pop(), []):
-            if child not in out:
-                out[child] = starts[child]
-                stack.append(child)
-    return out
-
-
-def alive(procs: dict[int, int]) -> list[int]:
-    """Which of these (pid, start time) still exist and are not zombies."""
-    out = []
-    for pid, start in procs.items():
-        st = _proc_stat(pid)
-        if st is None or st[1] != start:
-            continue
-        try:
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if state != "Z":
-            out.append(pid)
-    return out
 
 
 def _signal_group(pgid: int, sig: int) -> None:
@@ -124,7 +76,8 @@ async def _terminate(proc: anyio.abc.Process) -> None:
 async def run_worker(task: str, args: dict[str, Any], *, ctx: Any = None, deadline_s: float, label: str,
                      root: str | None = None) -> dict[str, Any]:
     """Run one worker task; returns its result dict, raises WorkerError, TimeoutError on the deadline."""
-    request = json.dumps({"task": task, "args": {**args, "timeout": deadline_s}, "root": root})
+    request = json.dumps({"task": task, "args": {**args, "timeout": deadline_s}, "root": root,
+                          "server_pid": os.getpid()})
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = await anyio.open_process([sys.executable, "-m", "curry_train_mcp.worker", request],
                                     stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=None,

@@ -29,13 +29,14 @@ from curry_train.paths import UnsafeName, check_name, configs_dir, project_root
 from curry_train.planner import Plan
 from curry_train.runs import RunsDiff
 from curry_train.sweep import SweepResult
+from curry_train.validation.verdict import Verdict as WhiteboxVerdict
 from mcp.server import MCPServer
 from mcp.server.mcpserver import Context
 from mcp.server.mcpserver.exceptions import ResourceNotFoundError, ToolError
 from mcp.server.mcpserver.prompts.base import UserMessage
 from mcp.server.mcpserver.resources import FunctionResource
 from mcp.types import CallToolResult, ImageContent, TextContent, ToolAnnotations
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, Field
 
 from .jobs import WorkerError, run_worker
 from .skills_ext import SkillsExtension
@@ -110,19 +111,27 @@ def _validate(config: str, overrides: dict[str, Any]) -> None:
 
 
 async def _long(task: str, args: dict[str, Any], ctx: Context, *, deadline_s: float, label: str) -> dict[str, Any]:
+    # probe_hardware has no timeout_s or steps to change: its hints say what it does have
+    retry = ("Retry; if it keeps timing out, call probe_hardware with measure=false." if label == "probe_hardware"
+             else "Retry with fewer steps or a larger timeout_s.")
     try:
         return await run_worker(task, args, ctx=ctx, deadline_s=deadline_s, label=label, root=root())
     except TimeoutError:
         raise ToolError(f"{label} passed its {deadline_s:.0f}s deadline; every process it started was killed. "
-                        "Retry with fewer steps or a larger timeout_s.") from None
+                        f"{retry}") from None
     except WorkerError as e:
         if e.kind == "invalid":
             raise ToolError(f"{e.message}\nFix the arguments and call again.") from None
         if e.kind == "busy":
             raise ToolError(f"{e.message}. Another long job holds the device; retry when it finishes.") from None
         if e.kind == "failed":
-            hint = ("Retry with a larger timeout_s." if "timed out" in e.message else
-                    "Read the failing rank's error above; fix the config or report it as a bug.")
+            if "timed out" in e.message:
+                hint = retry
+            elif "OutOfMemoryError" in e.message or "out of memory" in e.message.lower():
+                hint = ("A rank ran out of memory: call recommend_next with symptom='oom' for the primitive that "
+                        "fits, or estimate_memory to see where the memory goes.")
+            else:
+                hint = "Read the failing rank's error above; fix the config or report it as a bug."
             raise ToolError(f"{label} failed: {e.message[:6000]}\n{hint}") from None
         if e.kind == "cancelled":
             raise ToolError(f"{label} was cancelled; every rank was killed.") from None
@@ -179,36 +188,6 @@ async def bench(
     return _json_result(res, image)
 
 
-class ParamDiffOut(BaseModel):
-    name: str
-    max_abs_diff: float
-    allowed: float
-    ref_max_abs: float
-
-
-class WhiteboxVerdict(BaseModel):
-    """Mirror of curry_train.validation.whitebox.Verdict (kept torch-free here; a test checks the fields match)."""
-
-    model_config = ConfigDict(extra="allow")
-    passed: bool = Field(description="True when loss, every gradient and every updated parameter match the "
-                                     "single-device reference within tolerance.")
-    config_overrides: dict[str, Any] = Field(default_factory=dict)
-    world_size: int
-    steps: int
-    losses_ref: list[float]
-    losses_parallel: list[float]
-    loss_max_diff: float
-    grad_norm_ref: list[float]
-    grad_norm_parallel: list[float]
-    worst_parameter: ParamDiffOut | None = Field(description="Largest diff/allowed ratio over grads and params.")
-    first_diverging_layer: str | None = Field(description="Earliest module (forward order) with a failing tensor.")
-    failures: list[str] = Field(default_factory=list)
-    tolerance: dict[str, float]
-    n_params_compared: int
-    run_id: str | None = None
-    wall_s: float = 0.0
-
-
 @mcp.tool(annotations=READ_ONLY)
 async def whitebox_compare(
     config: ConfigName,
@@ -242,6 +221,10 @@ def update_config(
     from curry_train.config_store import update_config as store
 
     try:
+        # name each argument in the refusal ("base 'x' is not allowed"), not only "config name"
+        for arg, value in (("name", name), ("base", base)):
+            if value is not None:
+                check_name(value.removesuffix(".yaml"), arg)
         return store(name, changes, base, root=root())
     except (ConfigError, UnsafeName, FileNotFoundError) as e:
         raise tool_error(e) from None
@@ -257,9 +240,13 @@ def runs_diff(
     from curry_train.runs import Ledger, diff_runs
 
     try:
+        for arg, value in (("run_a", run_a), ("run_b", run_b)):
+            check_name(value, f"{arg} (a run id)")
         ledger = Ledger(root())
         return diff_runs(ledger.get(run_a), ledger.get(run_b))
-    except (UnsafeName, KeyError) as e:
+    except UnsafeName as e:  # not tool_error(): its hint is about config names
+        raise ToolError(f"{e}. Run ids look like bench-20260101-120000-ab12cd; list them with run://index.") from None
+    except KeyError as e:
         raise tool_error(e) from None
 
 
@@ -456,21 +443,28 @@ def config_index() -> str:
 
     out = []
     for p in sorted(configs_dir(root()).glob("*.yaml")):
+        if configs_dir(root()).resolve() not in p.resolve().parents:
+            continue  # symlinked out of configs/: the tools refuse it, so it is not a config name
         try:
             raw = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
-        except yaml.YAMLError:
+        except (yaml.YAMLError, UnicodeDecodeError, OSError):
             raw = {}
+        raw = raw if isinstance(raw, dict) else {}  # a hand-edited file holding a list or a scalar
+        model = raw.get("model") if isinstance(raw.get("model"), dict) else {}
         out.append({"name": p.stem, "uri": f"config://{p.stem}", "parallel": raw.get("parallel"),
-                    "model": {k: (raw.get("model") or {}).get(k) for k in ("d_model", "n_layers", "num_experts")}})
+                    "model": {k: model.get(k) for k in ("d_model", "n_layers", "num_experts")}})
     return json.dumps(out, indent=1)
 
 
 def _config_text(name: str) -> str:
+    from curry_train.paths import config_path
+
     try:
-        check_name(name, "config name")
+        # config_path, not configs_dir() / name: it also refuses a configs/<name>.yaml symlinked out of configs/,
+        # which this resource used to read although every tool refused it (tests/reliability/test_paths.py)
+        path = config_path(check_name(name, "config name"), root())
     except UnsafeName as e:
         raise ResourceNotFoundError(str(e)) from None
-    path = configs_dir(root()) / f"{name}.yaml"
     if not path.is_file():
         raise ResourceNotFoundError(f"no config {name!r}; available: {_available()}")
     return path.read_text(encoding="utf-8")
@@ -556,4 +550,30 @@ Follow the curryTrain stage-4 procedure (skill://stage4-parallel-primitive-intro
     return [UserMessage(text)]
 
 
+def _refuse_unknown_arguments() -> None:
+    """Make every tool refuse arguments it does not take, naming them and the ones it does.
+
+    The SDK's argument models ignore unknown keys, so a typo ({"step": 3} for "steps", "override" for
+    "overrides") silently ran a different bench than the caller asked for and reported it as theirs (found by
+    tests/reliability/test_fuzz_tools.py). The schema says so too (additionalProperties: false). This reaches into
+    the tool manager (mcp 2.3, no public hook for it); the reliability tests fail if that stops working.
+    """
+    from pydantic import create_model, model_validator
+
+    for tool in mcp._tool_manager.list_tools():
+        base = tool.fn_metadata.arg_model
+        known = tuple(sorted(f.alias or n for n, f in base.model_fields.items()))
+
+        def check(cls: type, data: Any, known: tuple[str, ...] = known, name: str = tool.name) -> Any:
+            if isinstance(data, dict) and (unknown := sorted(str(k) for k in set(data) - set(known))):
+                raise ValueError(f"unknown argument(s) {unknown}: {name} takes only {', '.join(known)}; "
+                                 "fix the spelling or drop them")
+            return data
+
+        tool.fn_metadata.arg_model = create_model(
+            base.__name__, __base__=base, __validators__={"_known_arguments": model_validator(mode="before")(check)})
+        tool.parameters["additionalProperties"] = False
+
+
+_refuse_unknown_arguments()
 _register_configs()

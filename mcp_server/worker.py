@@ -60,11 +60,22 @@ def _sweep(args: dict[str, Any], cancel: threading.Event, say: Say, root: str | 
                           cancel=cancel, progress=say, root=root).model_dump(mode="json")
 
 
+def _selftest(args: dict[str, Any], cancel: threading.Event, say: Say, root: str | None) -> dict[str, Any]:
+    """Not a tool: the launcher self-test with an injected fault, for tests/reliability/test_faults.py."""
+    from curry_train import service
+
+    say(f"launching {args.get('nproc', 2)} self-test rank(s), fault={args.get('fault')}")
+    rec = service.selftest(args.get("config", "tiny"), nproc=int(args.get("nproc", 2)), fault=args.get("fault"),
+                           fault_rank=int(args.get("fault_rank", 0)), root=root, timeout=args.get("timeout", 120.0),
+                           cancel=cancel)
+    return rec.model_dump(mode="json")
+
+
 TASKS: dict[str, Callable[[dict[str, Any], threading.Event, Say, str | None], dict[str, Any]]] = {
-    "bench": _bench, "whitebox": _whitebox, "probe": _probe, "sweep": _sweep,
+    "bench": _bench, "whitebox": _whitebox, "probe": _probe, "sweep": _sweep, "selftest": _selftest,
 }
 # Tasks that occupy the accelerators (or all CPU cores) and so take the device lock.
-LOCKED = {"bench", "whitebox", "sweep", "probe_measure"}
+LOCKED = {"bench", "whitebox", "sweep", "probe_measure", "selftest"}
 
 
 def _classify(e: BaseException) -> tuple[str, str]:
@@ -91,13 +102,17 @@ def main(argv: list[str] | None = None) -> int:
     cancel = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: cancel.set())
-    parent = os.getppid()
+    # The server's pid comes in the request: reading getppid() here would miss a server that died while this
+    # process was still starting (we would already be re-parented and take init for the server).
+    parent = int(req.get("server_pid") or os.getppid())
+    if os.getppid() != parent:  # already orphaned: do not even start
+        cancel.set()
 
     def watchdog() -> None:  # the server died: do not leave ranks running for nobody
         while not cancel.is_set():
             if os.getppid() != parent:
                 cancel.set()
-            time.sleep(0.5)
+            time.sleep(0.2)
 
     threading.Thread(target=watchdog, daemon=True).start()
     lock_gate = threading.Lock()
@@ -126,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     except Exception as e:  # noqa: BLE001 - top level of the worker: report, the server turns it into a ToolError
         kind, message = _classify(e)
-        if cancel.is_set() and kind in ("bug", "failed"):
+        if cancel.is_set() and kind in ("bug", "failed", "busy"):  # busy: cancelled while waiting for the lock
             kind = "cancelled"
         if kind == "bug":
             traceback.print_exc(file=sys.stderr)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,7 +20,7 @@ from typing import Any
 from pydantic import BaseModel, Field
 
 from .config import ConfigError, Problem, dump_yaml, flatten, from_dict, load_yaml
-from .paths import atomic_write_text, config_path, configs_dir
+from .paths import _inside, atomic_write_text, config_path, configs_dir
 
 
 class ConfigChange(BaseModel):
@@ -53,7 +52,8 @@ def _missing(name: str, root: str | Path | None) -> FileNotFoundError:
 def history_dir(name: str, root: str | Path | None = None) -> Path:
     config_path(name, root)  # validates the name
     stem = name.removesuffix(".yaml")
-    return configs_dir(root) / ".history" / stem
+    # a .history (or .history/<name>) symlinked out of configs/ must not carry writes elsewhere
+    return _inside(configs_dir(root) / ".history" / stem, configs_dir(root))
 
 
 def history(name: str, root: str | Path | None = None) -> list[Path]:
@@ -64,7 +64,7 @@ def history(name: str, root: str | Path | None = None) -> list[Path]:
 
 @contextlib.contextmanager
 def _locked(name: str, root: str | Path | None) -> Iterator[None]:
-    d = configs_dir(root) / ".history"
+    d = _inside(configs_dir(root) / ".history", configs_dir(root))
     d.mkdir(parents=True, exist_ok=True)
     with open(d / f".{history_dir(name, root).name}.lock", "a+") as f:
         fcntl.flock(f.fileno(), fcntl.LOCK_EX)
@@ -90,10 +90,20 @@ def _normalise(changes: dict[str, Any] | None) -> dict[str, Any]:
     return out
 
 
-def _default_mode() -> int:
-    umask = os.umask(0)
-    os.umask(umask)
-    return 0o666 & ~umask
+def _remove_stale_temps(target: Path) -> None:
+    """Temp files a writer killed mid-write left behind (atomic_write_text names them .<file>.<random>.tmp).
+
+    Only called under the name's lock: every writer of this name holds it while its temp file exists, and the
+    kernel drops a dead writer's lock, so any such file seen here belongs to a writer that died.
+    """
+    patterns = [(target.parent, f".{target.name}.*.tmp")]
+    hist = target.parent / ".history" / target.stem
+    if hist.is_dir():
+        patterns.append((hist, ".*.yaml.*.tmp"))
+    for folder, pattern in patterns:
+        for stale in folder.glob(pattern):
+            with contextlib.suppress(FileNotFoundError):
+                stale.unlink()
 
 
 def _flat_existing(path: Path) -> dict[str, Any]:
@@ -126,6 +136,7 @@ def update_config(name: str, changes: dict[str, Any] | None, base: str | None = 
     dotted = _normalise(changes)
     from_dict(load_yaml(base_path), dotted)  # ConfigError here: nothing written, not even the lock file
     with _locked(name, root):
+        _remove_stale_temps(target)
         new_cfg = from_dict(load_yaml(base_path), dotted)  # again under the lock: the base may have changed
         created = not target.is_file()
         old = _flat_existing(target if not created else base_path)
@@ -144,8 +155,6 @@ def update_config(name: str, changes: dict[str, Any] | None, base: str | None = 
             atomic_write_text(saved_path, target.read_text(encoding="utf-8"))
             saved = str(saved_path)
         header = f"# written by update_config from {base} at {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}\n"
-        mode = target.stat().st_mode & 0o777 if not created else _default_mode()
-        atomic_write_text(target, header + dump_yaml(new_cfg))
-        os.chmod(target, mode)  # mkstemp creates 0600; keep the file as readable as a normal write would
+        atomic_write_text(target, header + dump_yaml(new_cfg))  # keeps the old mode; new files get 0666 & ~umask
     return ConfigUpdate(name=name, path=str(target), created=created, written=True, base=base,
                         previous_version=saved, diff=diff, config=new)

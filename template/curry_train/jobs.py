@@ -29,7 +29,9 @@ def train_job(spec: dict[str, Any]) -> dict[str, Any]:
 
 def selftest_job(spec: dict[str, Any]) -> dict[str, Any]:
     """Launcher self-test (tests and `probe`): one collective, then on `spec["fault_rank"]` the fault named by
-    `spec["fault"]`: "raise" an exception, "hang" in a collective the peers never join, "exit" by a signal."""
+    `spec["fault"]`: "raise" an exception, "hang" in a collective the peers never join, "exit" by a signal,
+    "oom" a torch.OutOfMemoryError (what a real allocator failure raises), "stubborn" hang after ignoring SIGTERM
+    (like training code whose checkpoint-on-preemption handler never returns)."""
     import os
     import signal
     import time
@@ -45,7 +47,11 @@ def selftest_job(spec: dict[str, Any]) -> dict[str, Any]:
     fault, here = spec.get("fault"), rank == spec.get("fault_rank", 0)
     if fault == "raise" and here:
         raise RuntimeError("selftest: injected failure")
-    if fault == "hang":
+    if fault == "oom" and here:
+        raise torch.OutOfMemoryError("selftest: injected out of memory (tried to allocate 1.00 TiB)")
+    if fault == "stubborn" and here:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if fault in ("hang", "stubborn"):
         if here:
             time.sleep(3600)  # the peers wait in the barrier below until the deadline kills the group
         dist.barrier()

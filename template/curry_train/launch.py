@@ -17,6 +17,7 @@ import gc
 import json
 import os
 import pickle
+import re
 import signal
 import socket
 import subprocess
@@ -25,10 +26,11 @@ import tempfile
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 
 class LaunchError(RuntimeError):
@@ -41,6 +43,57 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# ------------------------------------------------------------------------------------------ process tree
+
+
+def _proc_stat(pid: int) -> tuple[int, int] | None:
+    """(ppid, start time in clock ticks) from /proc, or None if the process is gone (Linux only)."""
+    try:
+        data = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = data[data.rindex(")") + 2:].split()  # the name may contain spaces and parentheses
+    return int(fields[1]), int(fields[19])
+
+
+def descendants(pid: int) -> dict[int, int]:
+    """Every process below `pid`: {pid: start time}, for a later kill that cannot hit a recycled pid."""
+    if not Path("/proc").is_dir():
+        return {}
+    children: dict[int, list[int]] = {}
+    starts: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            st = _proc_stat(int(entry))
+            if st is not None:
+                children.setdefault(st[0], []).append(int(entry))
+                starts[int(entry)] = st[1]
+    out: dict[int, int] = {}
+    stack = [pid]
+    while stack:
+        for child in children.get(stack.pop(), []):
+            if child not in out:
+                out[child] = starts[child]
+                stack.append(child)
+    return out
+
+
+def alive(procs: dict[int, int]) -> list[int]:
+    """Which of these (pid, start time) still exist and are not zombies."""
+    out = []
+    for pid, start in procs.items():
+        st = _proc_stat(pid)
+        if st is None or st[1] != start:
+            continue
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z":
+            out.append(pid)
+    return out
+
+
 @dataclass
 class Job:
     """A running torchrun job: its process (group leader), log file and results folder."""
@@ -51,22 +104,39 @@ class Job:
     nproc: int
 
     def kill(self) -> None:
-        """SIGTERM the whole process group, then SIGKILL whatever is left after 3 s."""
+        """SIGTERM the whole process group, SIGKILL whatever is left after 3 s, then SIGKILL every rank.
+
+        torchrun starts each rank in a session of its own, so its group is torchrun alone: the ranks stop only if
+        torchrun stops them. A rank that ignores SIGTERM (training code whose preemption handler checkpoints and
+        never returns) made torchrun wait 30 s, we SIGKILLed torchrun after 3, and the rank lived on, orphaned
+        (tests/reliability/test_faults.py, fault "stubborn"). So the ranks are listed from /proc first and killed
+        by pid (with their start time, so a recycled pid is never hit).
+        """
+        tree = descendants(self.proc.pid)
         for sig, grace in ((signal.SIGTERM, 3.0), (signal.SIGKILL, 2.0)):
             try:
                 os.killpg(self.proc.pid, sig)
             except ProcessLookupError:
-                return
+                break
             try:
                 self.proc.wait(timeout=grace)
             except subprocess.TimeoutExpired:
+                tree.update(descendants(self.proc.pid))  # before the SIGKILL re-parents them
                 continue
             # the leader is gone; make sure no rank outlived it
             try:
                 os.killpg(self.proc.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-            return
+            break
+        for pid in alive(tree):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + 5.0
+        while alive(tree) and time.monotonic() < deadline:  # SIGKILL is asynchronous; return once they are gone
+            time.sleep(0.02)
 
     def poll(self) -> int | None:
         return self.proc.poll()
@@ -102,9 +172,23 @@ class Job:
             raise LaunchError(f"rank {r}: {res['error']}\n{res.get('traceback', '')}")
         missing = [r for r in range(self.nproc) if r not in by_rank]
         if missing:
-            raise LaunchError(f"ranks {missing} wrote no result (exit code {self.proc.returncode}). "
+            raise LaunchError(f"ranks {missing} wrote no result (exit code {self.proc.returncode}){_killed_by(self)}. "
                               f"Log tail:\n{self.tail()}")
         return [by_rank[r]["value"] for r in range(self.nproc)]
+
+
+# torchrun's failure summary: "Root Cause ... rank : 0 (local_rank: 0) / exitcode : -9 (pid: N) (SIGKILL)"
+_ROOT_CAUSE = re.compile(r"Root Cause.*?rank\s*:\s*(\d+).*?exitcode\s*:\s*-?\d+[^\n]*?\((SIG[A-Z]+)\)", re.DOTALL)
+
+
+def _killed_by(job: Job) -> str:
+    """'; rank R was killed by SIGX' when a rank died of a signal (it had no chance to report an error)."""
+    m = _ROOT_CAUSE.search(job.tail(20_000))
+    if m is None:
+        return ""
+    hint = " (a SIGKILL nobody sent is usually the kernel's out-of-memory killer: check `dmesg`)" \
+        if m[2] == "SIGKILL" else ""
+    return f"; rank {m[1]} was killed by {m[2]}{hint}"
 
 
 def start_torchrun(spec: dict[str, Any], nproc: int, run_dir: Path, *, env: dict[str, str] | None = None) -> Job:

@@ -23,10 +23,13 @@ class UnsafeName(ValueError):
 
 def check_name(name: object, what: str = "name") -> str:
     """A plain file name: letters, digits, `_`, `.`, `-`; no path separators, no `..`, <= 64 chars."""
-    if not isinstance(name, str) or not NAME_RE.match(name) or ".." in name:
+    # fullmatch, not match: `$` also matches before a trailing newline, so match() let "tiny\n" through and
+    # update_config created "configs/tiny\n.yaml" (found by tests/reliability/test_fuzz_tools.py).
+    # A trailing '.' is refused too: Windows drops it, so "tiny." and "tiny" would be one file there.
+    if not isinstance(name, str) or not NAME_RE.fullmatch(name) or ".." in name or name.endswith("."):
         raise UnsafeName(
-            f"{what} {name!r} is not allowed: use 1-64 letters, digits, '_', '.', '-' (no '/', no '..'), "
-            "e.g. 'tiny' or 'my-run.2'"
+            f"{what} {name!r} is not allowed: use 1-64 letters, digits, '_', '.', '-' (no '/', no '..', "
+            "no trailing '.'), e.g. 'tiny' or 'my-run.2'"
         )
     if name.split(".")[0].lower() in RESERVED:
         raise UnsafeName(f"{what} {name!r} is a reserved device name; pick another")
@@ -82,11 +85,33 @@ def resolve_config_arg(arg: str, root: str | Path | None = None) -> Path:
     return config_path(arg, root)
 
 
+def _umask() -> int:
+    """The process umask, read without setting it (os.umask(0) would briefly loosen it for every thread)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)  # no /proc (macOS): the classic read-by-setting, restored at once
+    os.umask(mask)
+    return mask
+
+
 def atomic_write_text(path: Path, text: str) -> None:
-    """Write-then-rename in the same folder, fsync'd: a reader sees the old file or the new one, never half."""
+    """Write-then-rename in the same folder, fsync'd: a reader sees the old file or the new one, never half.
+
+    The new file keeps the mode of the file it replaces, or gets what a plain open() would give (0666 & ~umask,
+    usually 0644): mkstemp's 0600 would make every config and run record private to the writer.
+    """
     path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        mode = path.stat().st_mode & 0o777
+    except FileNotFoundError:
+        mode = 0o666 & ~_umask()
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        os.fchmod(fd, mode)
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
             f.flush()

@@ -71,3 +71,23 @@ def whitebox(config: str, overrides: dict[str, Any] | None = None, *, steps: int
     verdict.config_overrides = dict(overrides or {})
     ledger.finish(rec.run_id, status="ok" if verdict.passed else "failed", metrics=verdict.model_dump(mode="json"))
     return verdict
+
+
+def selftest(config: str = "tiny", *, nproc: int = 2, fault: str | None = None, fault_rank: int = 0,
+             root: str | Path | None = None, timeout: float = 120.0,
+             cancel: threading.Event | None = None) -> RunRecord:
+    """The launcher self-test (jobs.selftest_job) through torchrun, recorded like a bench: one all-reduce, then the
+    injected `fault` (raise | hang | exit | oom | stubborn) on `fault_rank`. The fault tests (tests/reliability)
+    drive the path every long tool takes - worker, torchrun, ranks, ledger - without building a model."""
+    from .launch import LaunchError, run_torchrun
+
+    cfg, name = resolve(config, None, root)
+    ledger = Ledger(root)
+    rec = ledger.start("selftest", cfg, name)
+    spec = {"kind": "selftest", "fault": fault, "fault_rank": fault_rank}
+    try:
+        values = run_torchrun(spec, nproc, ledger.path.parent / rec.run_id, timeout=timeout, cancel=cancel)
+    except LaunchError as e:
+        ledger.finish(rec.run_id, status="cancelled" if "cancelled" in str(e) else "failed", error=str(e)[:4000])
+        raise
+    return ledger.finish(rec.run_id, status="ok", metrics={"ranks": values})
