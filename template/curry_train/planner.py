@@ -149,7 +149,8 @@ def enumerate_layouts(cfg: Config, *, hardware: Any = None, margin: float = 0.0,
     if m.num_experts:
         tps = [1]  # the TP plan covers dense MLPs only
     cps = [c for c in _pow2_upto(world) if t.seq_len % (2 * c) == 0 or c == 1]
-    pps = [p for p in _divisors(m.n_layers) if world % p == 0]
+    # PP only across nodes (stage-4 anti-pattern "PP at single-node": the bubble is not worth it over NVLink)
+    pps = [p for p in _divisors(m.n_layers) if world % p == 0] if cfg.hardware.nodes > 1 else [1]
     probe_cfg = cfg.model_copy()  # its parallel section is swapped per candidate, without re-validation
     usable = int(cfg.hardware.gpu_memory_gib * GiB) - reserve_bytes(cfg)
     valid = fitting = 0
