@@ -248,7 +248,8 @@ def _oom(c: _Ctx) -> tuple[Primitive, dict[str, Any], Estimate | None, str, bool
                     f"{patch['parallel.tp']} ways over NVLink (dp {p.dp} -> {patch['parallel.dp']}): "
                     f"{_gib(e.memory.total)}{'' if c.fits(e) else ' (still over)'}."), False)
     elif m.num_experts:
-        c.rejected.append("tp: this template's TP plan does not cover experts (use ep)")
+        c.rejected.append("tp: on a MoE model the TP plan splits attention only (experts are replicated over tp); "
+                          "shard the experts with ep instead")
     else:
         c.rejected.append(f"tp: already {p.tp} = GPUs per node; TP across nodes is ~43% slower (Playbook)")
     if h.nodes > 1:

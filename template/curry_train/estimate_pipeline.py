@@ -84,17 +84,9 @@ def _actions(x: _Layout, rank: int) -> list[tuple[str, int]]:
     acts: list[tuple[str, int]] = []
     pending_w: list[int] = []
     for op in range(total + warm):
-        if op < warm:
+        if op < total:
             acts.append(("F", fwd_chunk(op)))
-        elif op < total:
-            acts.append(("F", fwd_chunk(op)))
-            c = bwd_chunk(op)
-            acts.append(("I" if zb else "B", c))
-            if zb:
-                pending_w.append(c)
-                if op - warm >= rank:
-                    acts.append(("W", pending_w.pop(0)))
-        else:
+        if op >= warm:  # steady state and cool-down: one backward per op
             c = bwd_chunk(op)
             acts.append(("I" if zb else "B", c))
             if zb:

@@ -147,7 +147,7 @@ def enumerate_layouts(cfg: Config, *, hardware: Any = None, margin: float = 0.0,
     tps = [d for d in _pow2_upto(cfg.hardware.gpus_per_node)
            if d == 1 or all(v % d == 0 for v in (m.n_heads, m.n_kv_heads, m.vocab_size, m.d_ff))]
     if m.num_experts:
-        tps = [1]  # the TP plan covers dense MLPs only
+        tps = [1]  # TP only splits attention on a MoE model (experts stay replicated): EP is the rung
     cps = [c for c in _pow2_upto(world) if t.seq_len % (2 * c) == 0 or c == 1]
     # PP only across nodes (stage-4 anti-pattern "PP at single-node": the bubble is not worth it over NVLink)
     pps = [p for p in _divisors(m.n_layers) if world % p == 0] if cfg.hardware.nodes > 1 else [1]
