@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/estimator_accuracy.py                 # the whole matrix (a few minutes on 2 cores)
     .venv/bin/python benchmarks/estimator_accuracy.py --only zero3    # the configs whose name contains "zero3"
 
-Each config runs `curry_train.memory.measure_memory` (job kind "memory") on CPU gloo ranks through the
+Each config runs `curry_train.measure.memory.measure_memory` (job kind "memory") on CPU gloo ranks through the
 forkserver launcher, one launch per world size. For the rank with the largest measured peak it compares:
   model states  params / grads / optimizer: the estimator's persistent parameter, final-gradient and AdamW
                 bytes vs memory.py's `params`, `grads` and `optimizer` categories (each one's maximum);
@@ -96,15 +96,15 @@ def available(name: str) -> bool:
 
 
 def config_for(name: str):
-    from curry_train.estimate import load_any
+    from curry_train.estimator import load_any
 
     return load_any("tiny-moe" if name.startswith("moe") else "tiny", MATRIX[name])
 
 
 def measure(names: list[str], timeout: float = 900.0) -> dict[str, list[dict[str, Any]]]:
     """name -> per-rank MemoryReport dicts; one forkserver launch per world size."""
-    from curry_train.jobs import rank_jobs
-    from curry_train.launch import launch_forkserver
+    from curry_train.train.jobs import rank_jobs
+    from curry_train.train.launch import launch_forkserver
 
     by_world: dict[int, list[str]] = {}
     for n in names:
@@ -134,7 +134,7 @@ def measured_components(report: dict[str, Any]) -> dict[str, int]:
 
 
 def estimated_components(cfg, pp_rank: int) -> dict[str, int]:
-    from curry_train.estimate import estimate, model_states
+    from curry_train.estimator import estimate, model_states
 
     est = estimate(cfg)
     b = est.per_pp_rank[pp_rank]
@@ -154,7 +154,7 @@ def compare(name: str, reports: list[dict[str, Any]]) -> dict[str, Any]:
     for k in (*COMPONENTS, *STATES):
         denom = meas[k] if meas[k] else meas["total"]
         err[k] = (est[k] - meas[k]) / denom
-    from curry_train.estimate import estimate
+    from curry_train.estimator import estimate
 
     b = estimate(cfg).per_pp_rank[pp_rank]
     return {"name": name, "rank": worst, "measured": meas, "estimated": est, "error": err,

@@ -42,9 +42,9 @@ SMOKE = {"model.vocab_size": 256, "model.d_model": 64, "model.n_layers": 2, "mod
 def mfu_run(overrides: dict, steps: int, warmup: int) -> dict:
     import torch
     from curry_train.config import load_config
-    from curry_train.estimate import flops_per_token, peak_flops
-    from curry_train.model import count_params
-    from curry_train.train import setup, train_step
+    from curry_train.estimator import flops_per_token, peak_flops
+    from curry_train.model.gpt import count_params
+    from curry_train.train.loop import setup, train_step
 
     cfg = load_config(REPO / "configs/tiny.yaml", overrides)
     par = setup(cfg)
@@ -64,8 +64,8 @@ def mfu_run(overrides: dict, steps: int, warmup: int) -> dict:
 def memory_run(base: dict, cases: dict) -> dict:
     import torch
     from curry_train.config import load_config
-    from curry_train.estimate import estimate
-    from curry_train.memory import measure_memory
+    from curry_train.estimator import estimate
+    from curry_train.measure.memory import measure_memory
 
     out = {}
     for name, extra in cases.items():

@@ -204,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     t_b = t_f if a.t_b is None else a.t_b
     t_w = t_f if a.t_w is None else a.t_w
 
-    from curry_train.launch import launch_forkserver
+    from curry_train.train.launch import launch_forkserver
 
     rows = []
     for p in a.pp:

@@ -18,8 +18,8 @@ GPUS = (8, 64, 512, 4096, 16384)
 
 
 def main() -> int:
-    from curry_train.estimate import load_any
-    from curry_train.planner import plan
+    from curry_train.estimator import load_any
+    from curry_train.advice.planner import plan
 
     rows = []
     for model in MODELS:

@@ -17,10 +17,10 @@ import time
 
 import torch
 from curry_train.config import load_config, parse_sets
-from curry_train.data import global_batch
-from curry_train.model import build_model, lm_loss
+from curry_train.model.data import global_batch
+from curry_train.model.gpt import build_model, lm_loss
 from curry_train.paths import resolve_config_arg
-from curry_train.train import setup, train_step
+from curry_train.train.loop import setup, train_step
 
 
 def handwritten(cfg, steps: int, start: int) -> float:

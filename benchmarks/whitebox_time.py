@@ -46,9 +46,9 @@ QUICK = ["ddp", "zero3", "tp", "pp_1f1b", "ep", "cp", "ddp_4"]
 
 
 def main() -> None:
-    from curry_train import service
+    from curry_train.measure import service
     from curry_train.config import load_config
-    from curry_train.launch import run_torchrun
+    from curry_train.train.launch import run_torchrun
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help=f"only {QUICK}")

@@ -6,7 +6,7 @@ notifications plus a heartbeat, and returns its result. On cancellation (the cli
 the deadline it SIGTERMs the worker, which kills its torchrun process group and records the run as cancelled;
 after a grace period it SIGKILLs the worker's group and every process that was below the worker (torchrun runs
 its ranks in a session of its own, so killing one group is not enough). The device lock lives in the worker
-(`curry_train.bench.DeviceLock`, an flock the kernel drops if the holder dies), so long jobs serialise across
+(`curry_train.measure.bench.DeviceLock`, an flock the kernel drops if the holder dies), so long jobs serialise across
 every server and CLI on the machine while cheap tools run concurrently in the server.
 """
 
@@ -24,7 +24,7 @@ from typing import Any
 
 import anyio
 from anyio.streams.text import TextReceiveStream
-from curry_train.launch import alive, descendants  # the /proc process tree (shared with Job.kill)
+from curry_train.train.launch import alive, descendants  # the /proc process tree (shared with Job.kill)
 
 logger = logging.getLogger(__name__)
 

@@ -84,7 +84,7 @@ def register_configs() -> None:
 @mcp.resource("run://index", mime_type="application/json", title="Recent runs")
 def run_index() -> str:
     """The 50 most recent runs: id, kind, config, status and headline metrics."""
-    from curry_train.runs import Ledger
+    from curry_train.store.runs import Ledger
 
     keys = ("step_time_s", "peak_memory_bytes", "passed", "last_loss", "oom")
     out = [{"run_id": r.run_id, "uri": f"run://{r.run_id}", "kind": r.kind, "config": r.config_name,
@@ -96,7 +96,7 @@ def run_index() -> str:
 @mcp.resource("run://{run_id}", mime_type="application/json", title="A recorded run")
 def run_resource(run_id: str) -> str:
     """One run: the resolved config, its metrics (bench result or white-box verdict), status and error."""
-    from curry_train.runs import Ledger
+    from curry_train.store.runs import Ledger
 
     try:
         return Ledger(root()).get(run_id).model_dump_json(indent=1)

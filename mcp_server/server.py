@@ -19,16 +19,16 @@ import os
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from curry_train.advisor import Recommendation
-from curry_train.bench import BenchResult
+from curry_train.advice.advisor import Recommendation
+from curry_train.measure.bench import BenchResult
 from curry_train.config import ConfigError
-from curry_train.config_store import ConfigUpdate
-from curry_train.estimate import Estimate
-from curry_train.hardware import HardwareReport
+from curry_train.store.configs import ConfigUpdate
+from curry_train.estimator import Estimate
+from curry_train.measure.hardware import HardwareReport
 from curry_train.paths import UnsafeName, check_name, configs_dir, project_root
-from curry_train.planner import Plan
-from curry_train.runs import RunsDiff
-from curry_train.sweep import SweepResult
+from curry_train.advice.planner import Plan
+from curry_train.store.runs import RunsDiff
+from curry_train.advice.sweep import SweepResult
 from curry_train.validation.verdict import Verdict as WhiteboxVerdict
 from mcp.server import MCPServer
 from mcp.server.mcpserver import Context
@@ -100,7 +100,7 @@ def tool_error(e: BaseException) -> ToolError:
 
 
 def _validate(config: str, overrides: dict[str, Any]) -> None:
-    from curry_train.service import resolve
+    from curry_train.measure.service import resolve
 
     try:
         resolve(config, overrides, root())
@@ -216,7 +216,7 @@ def update_config(
     """Validate, then write configs/<name>.yaml atomically, keeping the previous version in configs/.history/.
     Returns the path, the resolved config and the diff. An invalid config writes nothing and the error names each
     field and its fix. Use it to apply the patch recommend_next proposes, one primitive at a time."""
-    from curry_train.config_store import update_config as store
+    from curry_train.store.configs import update_config as store
 
     try:
         # name each argument in the refusal ("base 'x' is not allowed"), not only "config name"
@@ -235,7 +235,7 @@ def runs_diff(
 ) -> RunsDiff:
     """Compare two recorded runs: every config key that differs, every metric side by side with its b/a ratio,
     and a one-line verdict (step time, throughput, peak memory, identical losses)."""
-    from curry_train.runs import Ledger, diff_runs
+    from curry_train.store.runs import Ledger, diff_runs
 
     try:
         for arg, value in (("run_a", run_a), ("run_b", run_b)):
@@ -253,7 +253,7 @@ def runs_diff(
 
 def _latest_bench(cfg_dict: dict[str, Any]) -> dict[str, Any] | None:
     """The newest successful bench of exactly this resolved config, to draw beside an estimate."""
-    from curry_train.runs import Ledger
+    from curry_train.store.runs import Ledger
 
     for rec in Ledger(root()).list(200):
         if rec.kind == "bench" and rec.status == "ok" and rec.config == cfg_dict:
@@ -285,8 +285,8 @@ def estimate_memory(
     total, whether it fits hardware.gpu_memory_gib, the parameter count, FLOPs per token, communication per
     primitive and a step-time estimate, in milliseconds and without running anything. Models this template's
     actual implementation (what bench measures); check it against bench before trusting a big decision."""
-    from curry_train.estimate import estimate_memory as est_fn
-    from curry_train.service import resolve
+    from curry_train.estimator import estimate_memory as est_fn
+    from curry_train.measure.service import resolve
 
     try:
         cfg, name = resolve(config, overrides, root())
@@ -316,8 +316,8 @@ def recommend_next(
     and throughput change, the rungs it rejected, and the white-box check to run after applying it. It follows
     the ladder: recompute before more GPUs, the lowest ZeRO stage that fits, TP only after full sharding within a
     node, PP only across nodes, EP only for MoE, CP only for long sequences; it says when only more GPUs help."""
-    from curry_train.advisor import recommend_next as advise
-    from curry_train.service import resolve
+    from curry_train.advice.advisor import recommend_next as advise
+    from curry_train.measure.service import resolve
 
     try:
         resolve(config, overrides, root())  # unknown names and invalid overrides fail with their fix
@@ -362,7 +362,7 @@ def plan(
     is not communication-bound, then rank every valid N-D layout (dp x tp x pp x cp, ZeRO stage, recompute,
     pipeline schedule) that fits by estimated step time. Returns the rungs, `final` (the parallel section to put
     in a config) and whether it fits."""
-    from curry_train.planner import plan as make_plan
+    from curry_train.advice.planner import plan as make_plan
 
     try:
         p = make_plan(model, gpus_per_node, nodes, gpu_memory_gib, seq_len, global_batch, micro_batch=micro_batch,
@@ -397,8 +397,8 @@ async def capacity_sweep(
             "max_runs_per_rung": max_runs_per_rung}
     _validate(config, overrides)
     if rungs:
-        from curry_train.service import resolve
-        from curry_train.sweep import ladder_rungs
+        from curry_train.measure.service import resolve
+        from curry_train.advice.sweep import ladder_rungs
 
         known = [label for label, _ in ladder_rungs(resolve(config, overrides, root())[0])]
         if unknown := [r for r in rungs if r not in known]:
@@ -407,7 +407,7 @@ async def capacity_sweep(
         out = await _long("sweep", args, ctx, deadline_s=timeout_s, label="capacity_sweep")
         return SweepResult.model_validate(out)
     import anyio
-    from curry_train.sweep import capacity_sweep as sweep
+    from curry_train.advice.sweep import capacity_sweep as sweep
 
     def run() -> SweepResult:
         return sweep(config, overrides, rungs=rungs, max_micro_batch=max_micro_batch, root=root())

@@ -26,7 +26,7 @@ Say = Callable[[str], None]
 
 
 def _bench(args: dict[str, Any], cancel: threading.Event, say: Say, root: str | None) -> dict[str, Any]:
-    from curry_train.bench import bench
+    from curry_train.measure.bench import bench
 
     return bench(args["config"], steps=args.get("steps", 5), warmup=args.get("warmup", 1),
                  overrides=args.get("overrides") or {}, root=root, timeout=args.get("timeout", 900.0),
@@ -34,7 +34,7 @@ def _bench(args: dict[str, Any], cancel: threading.Event, say: Say, root: str | 
 
 
 def _whitebox(args: dict[str, Any], cancel: threading.Event, say: Say, root: str | None) -> dict[str, Any]:
-    from curry_train import service
+    from curry_train.measure import service
 
     say(f"launching the parallel run and the single-device reference for {args['config']}")
     v = service.whitebox(args["config"], args.get("overrides") or {}, steps=args.get("steps", 1), root=root,
@@ -43,7 +43,7 @@ def _whitebox(args: dict[str, Any], cancel: threading.Event, say: Say, root: str
 
 
 def _probe(args: dict[str, Any], cancel: threading.Event, say: Say, root: str | None) -> dict[str, Any]:
-    from curry_train.hardware import probe_hardware
+    from curry_train.measure.hardware import probe_hardware
 
     if args.get("measure"):
         say("timing a matmul per device and an all-reduce across local ranks")
@@ -52,7 +52,7 @@ def _probe(args: dict[str, Any], cancel: threading.Event, say: Say, root: str | 
 
 
 def _sweep(args: dict[str, Any], cancel: threading.Event, say: Say, root: str | None) -> dict[str, Any]:
-    from curry_train.sweep import capacity_sweep
+    from curry_train.advice.sweep import capacity_sweep
 
     return capacity_sweep(args["config"], args.get("overrides") or {}, measured=True, rungs=args.get("rungs"),
                           max_micro_batch=args.get("max_micro_batch", 4096),
@@ -62,7 +62,7 @@ def _sweep(args: dict[str, Any], cancel: threading.Event, say: Say, root: str | 
 
 def _selftest(args: dict[str, Any], cancel: threading.Event, say: Say, root: str | None) -> dict[str, Any]:
     """Not a tool: the launcher self-test with an injected fault, for tests/reliability/test_faults.py."""
-    from curry_train import service
+    from curry_train.measure import service
 
     say(f"launching {args.get('nproc', 2)} self-test rank(s), fault={args.get('fault')}")
     rec = service.selftest(args.get("config", "tiny"), nproc=int(args.get("nproc", 2)), fault=args.get("fault"),
@@ -80,7 +80,7 @@ LOCKED = {"bench", "whitebox", "sweep", "probe_measure", "selftest"}
 
 def _classify(e: BaseException) -> tuple[str, str]:
     from curry_train.config import ConfigError
-    from curry_train.launch import LaunchError
+    from curry_train.train.launch import LaunchError
     from curry_train.paths import UnsafeName
 
     if isinstance(e, (ConfigError, UnsafeName, FileNotFoundError, ValueError)):
@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     lock = None
     try:
         if task in LOCKED or (task == "probe" and args.get("measure")):
-            from curry_train.bench import DeviceLock
+            from curry_train.measure.bench import DeviceLock
 
             lock = DeviceLock(root)
             lock.acquire(timeout=float(args.get("lock_timeout", 3600.0)), cancel=cancel, on_wait=say)

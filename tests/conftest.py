@@ -1,4 +1,4 @@
-"""Shared fixtures. Multi-rank tests go through curry_train.launch.launch_forkserver (torch preloaded, ~0.3 s a
+"""Shared fixtures. Multi-rank tests go through curry_train.train.launch.launch_forkserver (torch preloaded, ~0.3 s a
 launch) and batch many checks per launch; the torchrun path is exercised by the CLI tests."""
 
 from __future__ import annotations

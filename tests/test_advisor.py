@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from curry_train.advisor import recommend_next
-from curry_train.estimate import estimate_memory
+from curry_train.advice.advisor import recommend_next
+from curry_train.estimator import estimate_memory
 
 SMALL_NODE = {"hardware.gpus_per_node": 4, "hardware.nodes": 1}
 
@@ -122,7 +122,7 @@ def test_a_given_oom_is_trusted_even_when_the_estimate_fits():
 
 
 def test_recommendations_climb_one_rung_at_a_time_until_it_fits():
-    from curry_train.estimate import load_any
+    from curry_train.estimator import load_any
 
     cfg = load_any("llama3-8b", {"parallel.zero": 0, "parallel.recompute": "none"})
     seen = []

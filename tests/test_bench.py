@@ -11,10 +11,10 @@ import threading
 import zlib
 
 import pytest
-from curry_train.bench import BenchResult, DeviceLock, fold, summarise
+from curry_train.measure.bench import BenchResult, DeviceLock, fold, summarise
 from curry_train.config import load_config
 from curry_train.plots import memory_breakdown_png, pipeline_timeline_png, simulate_pipeline
-from curry_train.runs import Ledger
+from curry_train.store.runs import Ledger
 
 
 def _rank(rank: int, times: list[float], peak: int, losses=(5.0, 4.5, 4.0), **mem) -> dict:

@@ -12,13 +12,13 @@ import sys
 from types import SimpleNamespace
 
 import pytest
-from curry_train import climb as climb_mod
-from curry_train import service
-from curry_train.bench import BenchResult, EstimateSide, MemoryBreakdown
-from curry_train.climb import climb, format_table
+from curry_train.cli import climb as climb_mod
+from curry_train.measure import service
+from curry_train.measure.bench import BenchResult, EstimateSide, MemoryBreakdown
+from curry_train.cli.climb import climb, format_table
 from curry_train.config import load_config
-from curry_train.config_store import history
-from curry_train.estimate import estimate_memory
+from curry_train.store.configs import history
+from curry_train.estimator import estimate_memory
 
 
 @pytest.fixture
@@ -46,7 +46,7 @@ def fake_runs(monkeypatch):
         calls["whitebox"].append(cfg.parallel.model_dump())
         return SimpleNamespace(passed=cfg.parallel.model_dump() not in broken, run_id=f"wb-{len(calls['whitebox'])}")
 
-    monkeypatch.setattr("curry_train.bench.bench", fake_bench)
+    monkeypatch.setattr("curry_train.measure.bench.bench", fake_bench)
     monkeypatch.setattr(service, "whitebox", fake_whitebox)
     return SimpleNamespace(calls=calls, broken=broken)
 

@@ -7,7 +7,7 @@ import threading
 
 import pytest
 from curry_train.config import ConfigError, load_config
-from curry_train.config_store import history, update_config
+from curry_train.store.configs import history, update_config
 from curry_train.paths import UnsafeName
 
 

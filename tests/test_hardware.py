@@ -6,8 +6,8 @@ import sys
 import types
 
 import pytest
-from curry_train import hardware
-from curry_train.hardware import probe_hardware
+from curry_train.measure import hardware
+from curry_train.measure.hardware import probe_hardware
 
 
 def _has_gpu() -> bool:

@@ -6,7 +6,7 @@ import os
 import time
 
 import pytest
-from curry_train.launch import LaunchError, run_torchrun, start_torchrun
+from curry_train.train.launch import LaunchError, run_torchrun, start_torchrun
 
 pytestmark = pytest.mark.multirank
 

@@ -17,7 +17,7 @@ from typing import Any, Literal
 import anyio
 import pytest
 from curry_train.config import load_config
-from curry_train.runs import Ledger
+from curry_train.store.runs import Ledger
 from curry_train_mcp.jobs import alive, descendants
 from curry_train_mcp.server import SKILLS_DIR, WhiteboxVerdict, mcp
 from mcp import Client

@@ -24,10 +24,10 @@ from __future__ import annotations
 import pytest
 import torch
 from curry_train.config import load_config
-from curry_train.jobs import JOBS, rank_jobs
-from curry_train.launch import launch_forkserver
-from curry_train.memory import CATEGORIES, measure_memory
-from curry_train.model import build_model
+from curry_train.train.jobs import JOBS, rank_jobs
+from curry_train.train.launch import launch_forkserver
+from curry_train.measure.memory import CATEGORIES, measure_memory
+from curry_train.model.gpt import build_model
 
 from tests.conftest import REPO
 
@@ -119,4 +119,4 @@ def test_bf16_autocast_weight_casts_are_parameter_copies(one_thread):
 
 
 def test_memory_job_kind_is_registered():
-    assert JOBS["memory"] == "curry_train.memory:memory_job"
+    assert JOBS["memory"] == "curry_train.measure.memory:memory_job"

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 from curry_train.config import load_config
-from curry_train.data import cp_positions, global_batch, micro_batches
-from curry_train.model import build_model, count_params
+from curry_train.model.data import cp_positions, global_batch, micro_batches
+from curry_train.model.gpt import build_model, count_params
 
 from tests.conftest import REPO
 
@@ -46,7 +46,7 @@ def test_context_parallel_positions_pair_a_head_and_a_tail_chunk():
 
 
 def test_tiny_loss_falls_over_50_steps():
-    from curry_train.train import setup, train_step
+    from curry_train.train.loop import setup, train_step
 
     cfg = load_config(TINY, {"train.steps": 50})
     torch.manual_seed(0)

@@ -7,7 +7,7 @@ import json
 import time
 
 import pytest
-from curry_train.planner import plan
+from curry_train.advice.planner import plan
 
 
 def test_llama3_70b_on_four_nodes_of_eight_80gb_gpus_at_4k_fits_without_context_parallel():

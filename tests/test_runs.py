@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from curry_train.config import load_config
 from curry_train.paths import UnsafeName, atomic_write_text, check_name, config_path, run_dir
-from curry_train.runs import Ledger, diff_runs
+from curry_train.store.runs import Ledger, diff_runs
 
 
 @pytest.mark.parametrize("bad", ["../etc", "/abs", "a/b", "..", "", "x" * 65, "con", "a\x00b", "-x", ".hidden", 3])

@@ -5,12 +5,12 @@ from __future__ import annotations
 import json
 
 import pytest
-from curry_train.estimate import estimate_memory
-from curry_train.sweep import capacity_sweep, family, ladder_rungs
+from curry_train.estimator import estimate_memory
+from curry_train.advice.sweep import capacity_sweep, family, ladder_rungs
 
 
 def test_rungs_follow_the_ladder_for_the_hardware():
-    from curry_train.estimate import load_any
+    from curry_train.estimator import load_any
 
     labels = [r[0] for r in ladder_rungs(load_any("llama3-70b"))]
     assert labels == ["single", "single+recompute", "ddp", "zero1", "zero2", "zero3", "zero3+recompute", "tp8",
@@ -40,7 +40,7 @@ def test_the_largest_model_grows_with_sharding():
 
 
 def test_the_family_scales_width_and_depth_validly():
-    from curry_train.estimate import load_any
+    from curry_train.estimator import load_any
 
     fam = family(load_any("llama3-8b"))
     assert len(fam) > 20

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import Config, validate_config
+from curry_train.config import Config, validate_config
 
 AXES = ("pp", "dp", "cp", "tp")
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 from curry_train.config import load_config
-from curry_train.data import cp_positions
-from curry_train.launch import launch_forkserver
+from curry_train.model.data import cp_positions
+from curry_train.train.launch import launch_forkserver
 from curry_train.parallel.context_parallel import attention_work, plan_blocks
 from curry_train.validation.whitebox import whitebox_batch
 
@@ -71,7 +71,7 @@ def _saved_bytes(model, fn) -> int:
 
 def _cp_checks(rank: int, world: int) -> dict:
     from curry_train.mesh import Topology, build_mesh
-    from curry_train.model import build_model, causal_attention, lm_loss
+    from curry_train.model.gpt import build_model, causal_attention, lm_loss
     from curry_train.parallel.context_parallel import RingCoreAttention, apply_cp, cp_flops
 
     mesh = build_mesh(Topology(cp=world), "cpu")

@@ -14,7 +14,7 @@ import copy
 import pytest
 import torch
 from curry_train.config import load_config
-from curry_train.launch import launch_forkserver
+from curry_train.train.launch import launch_forkserver
 from curry_train.validation.whitebox import whitebox_batch
 
 pytestmark = pytest.mark.timeout(300)
@@ -24,8 +24,8 @@ def _ep_checks(rank: int, world: int) -> dict:
     """Runs on 2 ranks: returns max abs diffs and the per-rank diagnostics."""
     import torch.distributed as dist
     from curry_train.mesh import Topology, build_mesh
-    from curry_train.model import init_weights
-    from curry_train.moe import MoE, expert_load
+    from curry_train.model.gpt import init_weights
+    from curry_train.model.moe import MoE, expert_load
     from curry_train.parallel import comms
     from curry_train.parallel.expert_parallel import apply_ep
 

@@ -14,8 +14,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from curry_train.config import ModelConfig, load_config
-from curry_train.model import aux_loss, build_model, init_weights, lm_loss
-from curry_train.moe import MoE, capacity, capacity_keep, expert_load
+from curry_train.model.gpt import aux_loss, build_model, init_weights, lm_loss
+from curry_train.model.moe import MoE, capacity, capacity_keep, expert_load
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 from curry_train.config import ConfigError, load_config
-from curry_train.launch import launch_forkserver
+from curry_train.train.launch import launch_forkserver
 from curry_train.validation.whitebox import whitebox_batch
 
 from tests.conftest import REPO
@@ -58,7 +58,7 @@ def test_tp_and_sp_on_four_ranks_match_the_reference(tmp_path):
 
 def _layouts(rank: int, world: int, overrides: dict) -> dict:
     """Inside a rank: placements and local shapes the TP plan produced."""
-    from curry_train.train import setup
+    from curry_train.train.loop import setup
     from torch.distributed.tensor import DTensor
 
     par = setup(load_config(TINY, overrides))

@@ -26,16 +26,16 @@ from pathlib import Path
 
 import pytest
 from curry_train.config import load_config
-from curry_train.config_store import history, update_config
-from curry_train.runs import Ledger
+from curry_train.store.configs import history, update_config
+from curry_train.store.runs import Ledger
 
 pytestmark = pytest.mark.slow
 
 HELPER = r"""
 import json, os, signal, sys, tempfile
 from curry_train.config import load_config
-from curry_train.config_store import update_config
-from curry_train.runs import Ledger
+from curry_train.store.configs import update_config
+from curry_train.store.runs import Ledger
 
 root = sys.argv[1]
 

@@ -18,7 +18,7 @@ from typing import Any
 import anyio
 import pytest
 from curry_train.config import load_config
-from curry_train.runs import Ledger
+from curry_train.store.runs import Ledger
 from curry_train_mcp.server import mcp
 from mcp import Client
 from rel_support import text_of

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import anyio
 import pytest
-from curry_train.bench import DeviceLock
-from curry_train.runs import Ledger
+from curry_train.measure.bench import DeviceLock
+from curry_train.store.runs import Ledger
 from curry_train_mcp import server as server_mod
 from mcp import Client
 from mcp.server.mcpserver.exceptions import ToolError

@@ -30,11 +30,11 @@ from typing import Any
 import anyio
 import pytest
 from anyio.from_thread import start_blocking_portal
-from curry_train.bench import BenchResult, MemoryBreakdown
+from curry_train.measure.bench import BenchResult, MemoryBreakdown
 from curry_train.config import flatten, load_config
-from curry_train.hardware import HardwareReport
-from curry_train.runs import Ledger
-from curry_train.sweep import SweepResult
+from curry_train.measure.hardware import HardwareReport
+from curry_train.store.runs import Ledger
+from curry_train.advice.sweep import SweepResult
 from curry_train_mcp import server as server_mod
 from curry_train_mcp.jobs import WorkerError
 from hypothesis import HealthCheck, given, settings
@@ -266,7 +266,7 @@ class FakeLauncher:
 
     async def __call__(self, task: str, args: dict[str, Any], *, ctx: Any = None, deadline_s: float, label: str,
                        root: str | None = None) -> dict[str, Any]:
-        from curry_train.service import resolve
+        from curry_train.measure.service import resolve
 
         assert task in CANNED, task
         json.dumps(args)  # the request must travel as JSON

@@ -16,7 +16,7 @@ import stat
 from pathlib import Path
 
 import pytest
-from curry_train.config_store import update_config
+from curry_train.store.configs import update_config
 from curry_train.paths import RESERVED, UnsafeName, atomic_write_text, check_name, config_path, run_dir
 from curry_train_mcp.server import mcp
 from hypothesis import given, settings
@@ -160,7 +160,7 @@ def test_new_files_are_readable_like_a_plain_write_and_replaced_files_keep_their
 
 def test_configs_and_run_records_written_by_the_tools_are_0644(project):
     from curry_train.config import load_config
-    from curry_train.runs import Ledger
+    from curry_train.store.runs import Ledger
 
     old = os.umask(0o022)
     try:

@@ -29,11 +29,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..config import Config
-from ..data import cp_positions
-from ..model import Attention
-from ..moe import TopKRouter
-from .comms import RingExchange
+from curry_train.config import Config
+from curry_train.model.data import cp_positions
+from curry_train.model.gpt import Attention
+from curry_train.model.moe import TopKRouter
+from curry_train.parallel.comms import RingExchange
 
 
 def _runs(pos: torch.Tensor, chunk: int) -> list[tuple[int, int]]:

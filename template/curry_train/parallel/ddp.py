@@ -12,8 +12,8 @@ from typing import Any
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from ..config import Config
-from ..mesh import dp_cp_mesh
+from curry_train.config import Config
+from curry_train.mesh import dp_cp_mesh
 
 
 def apply_ddp(model: nn.Module, mesh: Any, cfg: Config) -> nn.Module:
@@ -21,7 +21,7 @@ def apply_ddp(model: nn.Module, mesh: Any, cfg: Config) -> nn.Module:
 
     CPU: no device_ids. CUDA: the module already lives on this rank's device, which DDP infers.
     """
-    from .expert_parallel import exclude_experts_from_ddp, sync_expert_grads
+    from curry_train.parallel.expert_parallel import exclude_experts_from_ddp, sync_expert_grads
 
     group = dp_cp_mesh(mesh).get_group()
     exclude_experts_from_ddp(model)  # EP: expert shards differ per rank; reduced over edp by sync_expert_grads

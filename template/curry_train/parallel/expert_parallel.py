@@ -32,10 +32,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..config import Config
-from ..mesh import ep_meshes
-from ..moe import moe_layers
-from . import comms
+from curry_train.config import Config
+from curry_train.mesh import ep_meshes
+from curry_train.model.moe import moe_layers
+from curry_train.parallel import comms
 
 
 def _mark_expert_params(experts: nn.Module, ep_group: Any) -> None:

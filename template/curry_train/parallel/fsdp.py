@@ -31,8 +31,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..config import Config
-from ..mesh import dp_cp_mesh
+from curry_train.config import Config
+from curry_train.mesh import dp_cp_mesh
 
 
 def fsdp_kwargs(cfg: Config) -> dict[str, Any]:
@@ -55,7 +55,7 @@ def apply_fsdp(model: nn.Module, mesh: Any, cfg: Config) -> None:
     if cfg.model.num_experts > 0:
         # Expert shards are summed over edp_cp, not dp_cp: they get their own units first, and the block's
         # fully_shard below skips the params those units already manage (expert_parallel.py docstring).
-        from .expert_parallel import fully_shard_experts
+        from curry_train.parallel.expert_parallel import fully_shard_experts
 
         fully_shard_experts(model, mesh, cfg, **kwargs)
     for block in model.layers.values():

@@ -35,9 +35,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..config import Config
-from ..data import cp_positions, micro_batches
-from ..model import lm_loss
+from curry_train.config import Config
+from curry_train.mesh import dp_cp_mesh
+from curry_train.model.data import cp_positions, micro_batches
+from curry_train.model.gpt import lm_loss
 
 SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved_1f1b": "ScheduleInterleaved1F1B"}
 
@@ -166,9 +167,7 @@ def pipeline_forward_backward(par, inputs: torch.Tensor, targets: torch.Tensor) 
     # Only the last stage has the loss: summing over the pp group hands it to every stage ...
     dist.all_reduce(loss, op=dist.ReduceOp.SUM, group=par.mesh["pp"].get_group())
     # ... then average over the ranks that saw different rows (dp) or tokens (cp).
-    from ..parallelize import grad_reduce_group
-
-    group = grad_reduce_group(par)
+    group = dp_cp_mesh(par.mesh).get_group()
     if dist.get_world_size(group) > 1:
         dist.all_reduce(loss, op=dist.ReduceOp.SUM, group=group)
         loss /= dist.get_world_size(group)

@@ -48,7 +48,7 @@ import torch.utils.checkpoint as _utils_checkpoint
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from ..config import Config
+from curry_train.config import Config
 
 _aten = torch.ops.aten
 

@@ -47,8 +47,8 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from ..config import Config
-from ..model import FeedForward
+from curry_train.config import Config
+from curry_train.model.gpt import FeedForward
 
 
 def block_plan(sp: bool, dense_ffn: bool = True) -> dict[str, Any]:

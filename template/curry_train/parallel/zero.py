@@ -19,8 +19,8 @@ from typing import Any
 import torch
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
-from ..config import Config
-from ..mesh import dp_cp_mesh
+from curry_train.config import Config
+from curry_train.mesh import dp_cp_mesh
 
 
 def build_zero1_optimizer(params: Iterable[torch.Tensor], mesh: Any, cfg: Config) -> ZeroRedundancyOptimizer:

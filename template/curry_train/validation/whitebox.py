@@ -31,8 +31,8 @@ from typing import Any
 
 import torch
 
-from ..config import Config, from_dict
-from .verdict import ParamDiff, Verdict
+from curry_train.config import Config, from_dict
+from curry_train.validation.verdict import ParamDiff, Verdict
 
 FP32 = {"loss_rtol": 1e-5, "grad_atol": 1e-6, "grad_rtol": 1e-5, "param_atol": 1e-5, "param_lr_frac": 0.1}
 BF16 = {"loss_rtol": 2e-2, "grad_rel_l2": 5e-2}
@@ -48,7 +48,7 @@ def gather_full(par, which: str) -> dict[str, torch.Tensor] | None:
     """
     import torch.distributed as dist
 
-    from ..parallelize import canonical_name
+    from curry_train.parallel.parallelize import canonical_name
 
     local: dict[str, torch.Tensor] = {}
     for part in par.parts:
@@ -100,7 +100,7 @@ def parallel_job(spec: dict[str, Any]) -> dict[str, Any]:
     """Rank side: train `steps` steps, gathering grads after each backward and params at the end."""
     import torch.distributed as dist
 
-    from ..train import forward_backward, init_distributed, setup
+    from curry_train.train.loop import forward_backward, init_distributed, setup
 
     cfg = from_dict(spec["config"])
     device = init_distributed(cfg)
@@ -123,8 +123,8 @@ def parallel_job(spec: dict[str, Any]) -> dict[str, Any]:
 
 def reference(cfg: Config, steps: int) -> dict[str, Any]:
     """The single-device reference: same seed, same micro-batches in dp-rank order, fp32, plain AdamW."""
-    from ..data import global_batch, micro_batches
-    from ..model import aux_loss, build_model, lm_loss
+    from curry_train.model.data import global_batch, micro_batches
+    from curry_train.model.gpt import aux_loss, build_model, lm_loss
 
     torch.set_num_threads(1)  # match the ranks' thread count so matmuls sum in the same order
     ref_cfg = from_dict(cfg.to_dict(), {"train.dtype": "float32"}, validate=False)
@@ -250,12 +250,12 @@ def run_whitebox(cfg: Config, *, steps: int = 1, run_dir: Path, timeout: float =
     spec = {"kind": "whitebox", "config": cfg.to_dict(), "steps": steps, "tag": "run",
             "break_grad_sync": break_grad_sync or []}
     if launcher == "torchrun":
-        from ..launch import run_torchrun
+        from curry_train.train.launch import run_torchrun
 
         run_torchrun(spec, cfg.world_size, run_dir, timeout=timeout, cancel=cancel)
     else:
-        from ..jobs import rank_job
-        from ..launch import launch_forkserver
+        from curry_train.train.jobs import rank_job
+        from curry_train.train.launch import launch_forkserver
 
         launch_forkserver(rank_job, cfg.world_size, {**spec, "out_dir": str(run_dir)}, timeout=timeout)
     verdict = compare_saved(cfg, run_dir / "parallel_run.pt", steps)
@@ -271,8 +271,8 @@ def compare_saved(cfg: Config, path: Path, steps: int) -> Verdict:
 def whitebox_batch(cfgs: list[Config], *, steps: int = 1, out_dir: Path, timeout: float = 300.0,
                    break_grad_sync: list[str] | None = None) -> list[Verdict]:
     """Tests: run every config of one world size in a single forkserver launch, then compare each."""
-    from ..jobs import rank_jobs
-    from ..launch import launch_forkserver
+    from curry_train.train.jobs import rank_jobs
+    from curry_train.train.launch import launch_forkserver
 
     worlds = {c.world_size for c in cfgs}
     if len(worlds) != 1:

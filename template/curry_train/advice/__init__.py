@@ -1,0 +1,1 @@
+"""The advice: the next-primitive advisor, the layout planner and the capacity sweep (built on the estimator)."""

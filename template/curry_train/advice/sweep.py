@@ -1,0 +1,333 @@
+"""Capacity sweep: under each rung of the ladder, the largest micro-batch and the largest model of a width/depth
+family that fit the per-rank budget; from the estimator, or measured with real runs on this machine.
+
+    curry-train sweep --config tiny --json                       # estimator: milliseconds
+    curry-train sweep --config tiny --measured --json            # binary search with real runs (memory jobs)
+
+Rungs (cumulative, each the next rung of the stage-4 ladder on the config's hardware): one device; + full
+recompute; DDP over the devices; ZeRO-1, -2, -3; ZeRO-3 + full recompute; + TP (a node's width); + PP (more
+than one node). Each rung runs with global_batch = dp * micro_batch (one micro-batch per step: no gradient
+accumulation, so FSDP keeps no unsharded gradient accumulators).
+
+The family scales the config's model: widths (d_model, with the head dim fixed, heads, kv heads and d_ff in
+proportion) times depths (n_layers). "Largest" is by parameter count. Measured mode checks the estimator's
+answer with `curry_train.measure.memory.measure_memory` (job kind "memory") and binary-searches around it: the
+micro-batch between the last size that fits and the first that does not, the model over the family sorted by
+estimated peak. A run fits when its measured per-rank peak stays under the budget minus the reserve.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, Field
+
+from curry_train.config import Config, ConfigError, from_dict
+from curry_train.estimator import GiB, estimate, load_any, param_count
+
+WIDTHS = (0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0)
+DEPTHS = (0.5, 1.0, 1.5, 2.0, 3.0, 4.0)
+
+
+class FamilyMember(BaseModel):
+    d_model: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    d_ff: int
+    params: int
+
+
+class SweepRow(BaseModel):
+    """One rung: its layout and the capacity under it."""
+
+    rung: str
+    parallel: dict[str, Any]
+    world_size: int
+    max_micro_batch: int | None = Field(description="Largest micro-batch (sequences per rank per forward) that "
+                                                    "fits with the config's model; None when even 1 does not.")
+    micro_batch_peak_bytes: int | None = Field(None, description="Per-rank peak at max_micro_batch.")
+    max_model: FamilyMember | None = Field(description="Largest family member that fits at the config's "
+                                                       "micro-batch; None when none does.")
+    model_peak_bytes: int | None = None
+    source: str = Field(description="estimate, or measured (binary search with real runs).")
+    runs: int = Field(0, description="Real runs this row took (measured mode).")
+    note: str = ""
+
+
+class SweepResult(BaseModel):
+    config: str
+    mode: str
+    budget_bytes: int
+    usable_bytes: int
+    micro_batch: int = Field(description="The micro-batch the model search used.")
+    family: list[FamilyMember] = Field(description="The width x depth family, smallest first.")
+    rungs: list[SweepRow]
+    seconds: float
+
+
+# ----------------------------------------------------------------------------------------------- family
+
+
+def family(cfg: Config, widths: tuple[float, ...] = WIDTHS, depths: tuple[float, ...] = DEPTHS) -> list[dict]:
+    """Model sections scaled in width (head dim fixed) and depth, valid for the config, smallest first."""
+    m = cfg.model
+    head_dim = m.d_model // m.n_heads
+    kv_ratio = m.n_heads // m.n_kv_heads
+    ff_ratio = m.d_ff / m.d_model
+    out: dict[tuple[int, int], dict] = {}
+    for w in widths:
+        heads = max(kv_ratio, round(m.n_heads * w / kv_ratio) * kv_ratio)
+        d = heads * head_dim
+        d_ff = max(8, round(ff_ratio * d / 8) * 8)
+        for dep in depths:
+            layers = max(1, round(m.n_layers * dep))
+            sec = {**m.model_dump(), "d_model": d, "n_heads": heads, "n_kv_heads": heads // kv_ratio,
+                   "d_ff": d_ff, "n_layers": layers}
+            out[(d, layers)] = sec
+    members = []
+    for sec in out.values():
+        try:
+            c = from_dict({**cfg.to_dict(), "model": sec}, validate=False)
+        except ConfigError:
+            continue
+        members.append((param_count(c), sec))
+    members.sort(key=lambda ps: ps[0])
+    return [sec for _, sec in members]
+
+
+def _member(sec: dict, params: int) -> FamilyMember:
+    return FamilyMember(d_model=sec["d_model"], n_layers=sec["n_layers"], n_heads=sec["n_heads"],
+                        n_kv_heads=sec["n_kv_heads"], d_ff=sec["d_ff"], params=params)
+
+
+# ----------------------------------------------------------------------------------------------- rungs
+
+
+def ladder_rungs(cfg: Config) -> list[tuple[str, dict[str, Any]]]:
+    """(label, parallel section) for each rung this hardware allows, in ladder order."""
+    h = cfg.hardware
+    avail = h.gpus_per_node * h.nodes
+    base = {"dp": 1, "zero": 0, "recompute": "none", "tp": 1, "sp": False, "pp": 1, "pp_schedule": "1f1b",
+            "pp_virtual": 1, "ep": 1, "cp": 1}
+    rungs = [("single", dict(base)), ("single+recompute", {**base, "recompute": "full"})]
+    if avail > 1:
+        d = avail
+        rungs += [("ddp", {**base, "dp": d}), ("zero1", {**base, "dp": d, "zero": 1}),
+                  ("zero2", {**base, "dp": d, "zero": 2}), ("zero3", {**base, "dp": d, "zero": 3}),
+                  ("zero3+recompute", {**base, "dp": d, "zero": 3, "recompute": "full"})]
+        m = cfg.model
+        t = h.gpus_per_node
+        while t > 1 and any(v % t for v in (m.n_heads, m.n_kv_heads, m.vocab_size, m.d_ff)):
+            t //= 2
+        if t > 1 and not m.num_experts and avail // t > 0:
+            rungs.append((f"tp{t}", {**base, "dp": avail // t, "zero": 3 if avail // t > 1 else 0,
+                                     "recompute": "full", "tp": t, "sp": True}))
+        if m.num_experts and avail > 1:
+            e = max(x for x in range(1, avail + 1) if avail % x == 0 and m.num_experts % x == 0)
+            if e > 1:
+                rungs.append((f"ep{e}", {**base, "dp": avail, "zero": 3, "recompute": "full", "ep": e}))
+        if h.nodes > 1 and t > 1:
+            pp = min((p for p in range(2, m.n_layers + 1) if m.n_layers % p == 0 and (avail // t) % p == 0),
+                     default=None)
+            if pp:
+                dp = avail // (t * pp)
+                rungs.append((f"tp{t}+pp{pp}", {**base, "dp": dp, "zero": 3 if dp > 1 else 0, "recompute": "full",
+                                                 "tp": t, "sp": True, "pp": pp}))
+    return rungs
+
+
+def _at(cfg: Config, parallel: dict[str, Any], micro_batch: int, model: dict | None = None) -> Config | None:
+    """The config under `parallel` with one micro-batch of `micro_batch` sequences per step (None: invalid)."""
+    raw = cfg.to_dict()
+    raw["parallel"] = dict(parallel)
+    if model is not None:
+        raw["model"] = model
+    pp = parallel.get("pp", 1)
+    raw["train"] = {**raw["train"], "micro_batch": micro_batch,
+                    "global_batch": parallel["dp"] * micro_batch * max(1, pp)}
+    try:
+        return from_dict(raw)
+    except ConfigError:
+        return None
+
+
+# ----------------------------------------------------------------------------------------------- measuring
+
+
+class Measurer:
+    """Runs `measure_memory` on the ranks a config needs (forkserver gloo ranks, or torchrun) and says whether
+    its worst per-rank peak fits the usable budget."""
+
+    def __init__(self, launcher: str = "forkserver", timeout: float = 600.0, cancel: threading.Event | None = None,
+                 progress: Callable[[str], None] | None = None, max_world: int | None = None):
+        self.launcher, self.timeout, self.cancel = launcher, timeout, cancel
+        self.say = progress or (lambda msg: None)
+        self.max_world = max_world
+        self.runs = 0
+
+    def peak(self, cfg: Config) -> int | None:
+        """Worst per-rank peak in bytes, None when the run fails (a CUDA OOM, a crash)."""
+        from curry_train.train.launch import LaunchError
+
+        if self.cancel is not None and self.cancel.is_set():
+            raise RuntimeError("capacity sweep cancelled")
+        spec = {"kind": "memory", "config": cfg.to_dict(), "steps": 2}
+        self.runs += 1
+        self.say(f"measuring {cfg.parallel.model_dump()} micro_batch={cfg.train.micro_batch} "
+                 f"d_model={cfg.model.d_model} n_layers={cfg.model.n_layers}")
+        try:
+            if self.launcher == "torchrun":
+                import tempfile
+
+                from curry_train.train.launch import run_torchrun
+
+                values = run_torchrun(spec, cfg.world_size, Path(tempfile.mkdtemp(prefix="curry_sweep_")),
+                                      timeout=self.timeout, cancel=self.cancel)
+            else:
+                from curry_train.train.jobs import rank_job
+                from curry_train.train.launch import launch_forkserver
+
+                values = launch_forkserver(rank_job, cfg.world_size, spec, timeout=self.timeout)
+        except LaunchError as e:
+            if "out of memory" in str(e).lower() or "OutOfMemoryError" in str(e):
+                return None
+            raise
+        return max(max(int(v.get("peak") or 0), int(v.get("cuda_max_allocated") or 0)) for v in values)
+
+
+def _bsearch(lo_ok: int, hi_bad: int, fits: Callable[[int], bool]) -> int:
+    """Largest n in [lo_ok, hi_bad) with fits(n), given fits(lo_ok) and not fits(hi_bad)."""
+    while hi_bad - lo_ok > 1:
+        mid = (lo_ok + hi_bad) // 2
+        if fits(mid):
+            lo_ok = mid
+        else:
+            hi_bad = mid
+    return lo_ok
+
+
+# ----------------------------------------------------------------------------------------------- the sweep
+
+
+class _Rung:
+    """Fit checks under one rung: from the estimator, or measured (cached, within a run budget)."""
+
+    def __init__(self, cfg: Config, par: dict[str, Any], usable: int, meas: Measurer | None, max_runs: int):
+        self.cfg, self.par, self.usable, self.meas = cfg, par, usable, meas
+        self.max_runs, self.runs_left = max_runs, max_runs
+        self.peaks: dict[tuple, int | None] = {}
+
+    def est_peak(self, mb: int, model: dict | None = None) -> int | None:
+        c = _at(self.cfg, self.par, mb, model)
+        return None if c is None else estimate(c).memory.total
+
+    def real_peak(self, mb: int, model: dict | None = None) -> int | None:
+        key = (mb, None if model is None else (model["d_model"], model["n_layers"]))
+        if key not in self.peaks:
+            c = _at(self.cfg, self.par, mb, model)
+            self.peaks[key] = None if c is None or self.meas is None else self.meas.peak(c)
+        return self.peaks[key]
+
+    def fits_est(self, mb: int, model: dict | None = None) -> bool:
+        p = self.est_peak(mb, model)
+        return p is not None and p <= self.usable
+
+    def fits_real(self, mb: int, model: dict | None = None) -> bool:
+        if self.runs_left <= 0:  # out of runs: the estimator decides the rest of the search
+            return self.fits_est(mb, model)
+        self.runs_left -= 1
+        p = self.real_peak(mb, model)
+        return p is not None and p <= self.usable
+
+    def max_micro_batch(self, limit: int) -> tuple[int | None, str]:
+        best: int | None = None
+        if self.fits_est(1):
+            n = 1
+            while n * 2 <= limit and self.fits_est(n * 2):
+                n *= 2
+            best = _bsearch(n, min(2 * n, limit + 1), self.fits_est) if n < limit else n
+        if self.meas is None:
+            return best, ""
+        guess = best or 1  # measured: start at the estimate, walk up or down, then bisect
+        if self.fits_real(guess):
+            hi = guess + 1
+            while hi <= limit and self.runs_left > 0 and self.fits_real(hi):
+                guess, hi = hi, min(hi * 2, limit + 1)
+            best = _bsearch(guess, hi, self.fits_real) if self.runs_left > 0 else guess
+        else:
+            best, lo = None, guess // 2
+            while lo >= 1 and self.runs_left > 0:
+                if self.fits_real(lo):
+                    best = _bsearch(lo, guess, self.fits_real)
+                    break
+                guess, lo = lo, lo // 2
+        return best, ("run budget exhausted: the last steps of the search used the estimator"
+                      if self.runs_left <= 0 else "")
+
+    def max_model(self, fam: list[dict], params: list[int], mb: int) -> int | None:
+        """Index of the largest (by parameters) family member that fits at micro-batch `mb`."""
+        ok = [i for i, sec in enumerate(fam) if self.fits_est(mb, sec)]
+        best = max(ok, key=lambda i: params[i]) if ok else None
+        if self.meas is None or not fam:
+            return best
+        self.runs_left = self.max_runs
+        order = sorted(range(len(fam)), key=lambda i: self.est_peak(mb, fam[i]) or math.inf)
+
+        def fits_at(k: int) -> bool:
+            return k < 0 or self.fits_real(mb, fam[order[k]])
+
+        pos = max((order.index(i) for i in ok), default=0)
+        top = _bsearch(pos, len(order), fits_at) if fits_at(pos) else _bsearch(-1, pos, fits_at)
+        return max(order[: top + 1], key=lambda i: params[i]) if top >= 0 else None
+
+
+def capacity_sweep(config: str | Path | dict[str, Any] | Config, overrides: dict[str, Any] | None = None, *,
+                   measured: bool = False, rungs: list[str] | None = None, max_micro_batch: int = 4096,
+                   widths: tuple[float, ...] = WIDTHS, depths: tuple[float, ...] = DEPTHS,
+                   launcher: str = "forkserver", timeout: float = 600.0, max_runs_per_rung: int = 8,
+                   cancel: threading.Event | None = None, progress: Callable[[str], None] | None = None,
+                   root: str | Path | None = None) -> SweepResult:
+    """Under each ladder rung: the largest micro-batch and the largest family model that fit the budget.
+
+    `rungs` picks rung labels (default: every rung the config's hardware allows). `measured=True` verifies each
+    answer with real runs on this machine and binary-searches around the estimate (at most
+    `max_runs_per_rung` runs per search; the estimator decides the rest)."""
+    t0 = time.perf_counter()
+    cfg = load_any(config, overrides, root=root)
+    name = config if isinstance(config, str) else "<config>"
+    base_est = estimate(cfg)
+    usable = base_est.usable_bytes
+    fam = family(cfg, widths, depths)
+    params = [param_count(from_dict({**cfg.to_dict(), "model": sec}, validate=False)) for sec in fam]
+    members = [_member(sec, n) for sec, n in zip(fam, params)]
+    meas = Measurer(launcher, timeout, cancel, progress) if measured else None
+    mb0 = cfg.train.micro_batch
+    rows = []
+    for label, par in ladder_rungs(cfg):
+        if (rungs is not None and label not in rungs) or _at(cfg, par, 1) is None:
+            continue
+        runs_before = meas.runs if meas else 0
+        r = _Rung(cfg, par, usable, meas, max_runs_per_rung)
+        best_mb, note = r.max_micro_batch(max_micro_batch)
+        best_i = r.max_model(fam, params, mb0)
+        peak = (r.real_peak if meas is not None else r.est_peak)
+        world = par["dp"] * par["tp"] * par["pp"] * par["cp"]
+        rows.append(SweepRow(
+            rung=label, parallel=par, world_size=world, max_micro_batch=best_mb,
+            micro_batch_peak_bytes=peak(best_mb) if best_mb is not None else None,
+            max_model=members[best_i] if best_i is not None else None,
+            model_peak_bytes=peak(mb0, fam[best_i]) if best_i is not None else None,
+            source="measured" if meas else "estimate", runs=(meas.runs - runs_before) if meas else 0, note=note))
+    return SweepResult(config=str(name), mode="measured" if measured else "estimate",
+                       budget_bytes=base_est.budget_bytes, usable_bytes=usable, micro_batch=mb0, family=members,
+                       rungs=rows, seconds=time.perf_counter() - t0)
+
+
+def _gib(n: int | None) -> str:
+    return "-" if n is None else f"{n / GiB:.3g} GiB"

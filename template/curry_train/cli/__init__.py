@@ -1,0 +1,149 @@
+"""`curry-train`: the command line over the same functions the MCP tools call.
+
+    curry-train train --config configs/tiny.yaml --set parallel.dp=2 --json
+    curry-train whitebox --config configs/tiny.yaml --set parallel.dp=2 --json
+    curry-train runs [--diff RUN_A RUN_B] --json
+
+Exit codes: 0 success (white-box passed), 1 failure (white-box failed, a rank crashed), 2 invalid input (config,
+name or arguments; the message is on stderr and nothing was launched). Results go to stdout (JSON with --json);
+progress and logs go to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+from collections.abc import Callable
+from typing import Any
+
+# Feature modules that add their own subcommands: each defines add_subcommands(subparsers).
+EXTENSIONS = ["curry_train.cli.brain", "curry_train.cli.tools", "curry_train_mcp.cli"]
+
+EXIT_OK, EXIT_FAIL, EXIT_INVALID = 0, 1, 2
+
+
+def emit(obj: Any, as_json: bool, human: Callable[[Any], str] | None = None) -> None:
+    if hasattr(obj, "model_dump"):
+        data = obj.model_dump(mode="json")
+    else:
+        data = obj
+    if as_json:
+        print(json.dumps(data, indent=None, default=str))
+    else:
+        print(human(obj) if human else json.dumps(data, indent=2, default=str))
+
+
+def add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", default="tiny", help="config name in configs/ (tiny, llama3-8b, ...) or a YAML path")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="dotted override applied without writing the file, e.g. parallel.dp=2 (repeatable)")
+    p.add_argument("--root", default=None, help="project folder holding configs/ and runs/ (default: auto)")
+    p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+
+
+def _cmd_train(a: argparse.Namespace) -> int:
+    from curry_train.measure import service
+    from curry_train.config import parse_sets
+
+    rec = service.train(a.config, parse_sets(a.set), root=a.root, timeout=a.timeout)
+    m = rec.metrics
+    emit(rec, a.json, lambda r: (f"run {r.run_id}: {r.config['parallel']} world={m['world_size']}\n"
+                                 f"loss {m['first_loss']:.4f} -> {m['last_loss']:.4f} over {len(m['losses'])} steps; "
+                                 f"median step {m['step_time_s'] * 1e3:.1f} ms, {m['tokens_per_s']:.0f} tokens/s"))
+    return EXIT_OK
+
+
+def _human_verdict(v: Any) -> str:
+    lines = [f"white-box {'PASSED' if v.passed else 'FAILED'} (run {v.run_id}, {v.world_size} ranks, {v.steps} step(s))",
+             f"  loss ref {v.losses_ref} vs parallel {v.losses_parallel} (max diff {v.loss_max_diff:.2e})",
+             f"  grad norm ref {v.grad_norm_ref} vs parallel {v.grad_norm_parallel}"]
+    if v.worst_parameter:
+        w = v.worst_parameter
+        lines.append(f"  worst: {w.name}: max |diff| {w.max_abs_diff:.2e} (allowed {w.allowed:.2e})")
+    if not v.passed:
+        lines.append(f"  first diverging layer: {v.first_diverging_layer}")
+        lines += [f"  - {f}" for f in v.failures[:8]]
+    return "\n".join(lines)
+
+
+def _cmd_whitebox(a: argparse.Namespace) -> int:
+    from curry_train.measure import service
+    from curry_train.config import parse_sets
+
+    v = service.whitebox(a.config, parse_sets(a.set), steps=a.steps, root=a.root, timeout=a.timeout,
+                         break_grad_sync=a.break_grad_sync)
+    emit(v, a.json, _human_verdict)
+    return EXIT_OK if v.passed else EXIT_FAIL
+
+
+def _cmd_runs(a: argparse.Namespace) -> int:
+    from curry_train.store.runs import Ledger, diff_runs
+
+    ledger = Ledger(a.root)
+    if a.diff:
+        emit(diff_runs(ledger.get(a.diff[0]), ledger.get(a.diff[1])), a.json, lambda d: d.verdict)
+    else:
+        recs = ledger.list(a.limit)
+        emit([r.model_dump(mode="json", exclude={"config", "metrics"}) for r in recs], a.json,
+             lambda rs: "\n".join(f"{r['run_id']}  {r['status']:9s} {r['config_name']}" for r in rs) or "(no runs)")
+    return EXIT_OK
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="curry-train", description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("train", help="train a config on dp*tp*pp*cp ranks through torchrun")
+    add_config_args(p)
+    p.add_argument("--timeout", type=float, default=1800.0, help="seconds before every rank is killed")
+    p.set_defaults(fn=_cmd_train)
+
+    p = sub.add_parser("whitebox", help="prove the parallel run matches the single-device reference")
+    add_config_args(p)
+    p.add_argument("--steps", type=int, default=1, help="optimizer steps to compare (default 1)")
+    p.add_argument("--timeout", type=float, default=900.0)
+    p.add_argument("--break-grad-sync", action="append", default=None, metavar="PARAM",
+                   help="self-test: leave PARAM's gradient un-reduced across dp ranks (needs dp>1, zero<=1); "
+                        "the verdict must fail and name it")
+    p.set_defaults(fn=_cmd_whitebox)
+
+    p = sub.add_parser("runs", help="list recorded runs, or diff two")
+    p.add_argument("--diff", nargs=2, metavar=("RUN_A", "RUN_B"))
+    p.add_argument("--limit", type=int, default=20)
+    p.add_argument("--root", default=None)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(fn=_cmd_runs)
+
+    for mod in EXTENSIONS:
+        try:
+            module = importlib.import_module(mod)
+        except ModuleNotFoundError as e:
+            if e.name and mod.startswith(e.name):  # the extension itself is absent; a broken one still fails
+                continue
+            raise
+        module.add_subcommands(sub)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    from curry_train.config import ConfigError
+    from curry_train.train.launch import LaunchError
+    from curry_train.paths import UnsafeName
+
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except (ConfigError, UnsafeName, FileNotFoundError, KeyError) as e:
+        print(f"curry-train {args.command}: {e}", file=sys.stderr)
+        return EXIT_INVALID
+    except LaunchError as e:
+        print(f"curry-train {args.command}: the run failed: {e}", file=sys.stderr)
+        return EXIT_FAIL
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

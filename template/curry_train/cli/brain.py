@@ -1,0 +1,179 @@
+"""`curry-train estimate | recommend | plan | sweep`: the estimator, the advisor, the planner and the capacity
+sweep on the command line (cli.py adds these subcommands through `add_subcommands`).
+
+    curry-train estimate --config llama3-8b --set parallel.zero=0 --json
+    curry-train recommend --config llama3-8b --set parallel.zero=0 --json
+    curry-train plan --model llama3-70b --gpus-per-node 8 --nodes 4 --gpu-memory-gib 80 --seq-len 4096 --json
+    curry-train sweep --config tiny [--measured] --json
+
+Results go to stdout (one JSON object with --json), errors to stderr with exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+
+def _emit(obj: Any, as_json: bool, human) -> None:
+    from curry_train.cli import emit
+
+    emit(obj, as_json, human)
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def _human_estimate(e: Any) -> str:
+    m = e.memory
+    lines = [(f"per-rank peak {_gib(m.total)} (pipeline rank {m.pp_rank}, at the {m.phase}) vs usable "
+             f"{_gib(e.usable_bytes)}: {'fits' if e.fits else 'OUT OF MEMORY'} (headroom {_gib(e.headroom_bytes)})"),
+             "  " + "  ".join(f"{k} {_gib(getattr(m, k))}" for k in ("params", "grads", "optimizer", "activations",
+                                                                    "other")),
+             (f"  {e.param_count / 1e9:.3g}B params ({e.params_per_rank / 1e9:.3g}B on this rank); "
+             f"{e.flops_per_token / 1e9:.3g} GFLOP/token"),
+             (f"  step {e.step_time.total_s:.3g} s on {e.hardware.name}: compute {e.step_time.compute_s:.3g} s, "
+              f"bubble {e.step_time.bubble_s:.3g} s, exposed comm {e.step_time.comm_exposed_s:.3g} s; "
+              f"MFU {e.step_time.mfu:.1%}"),
+             f"  dtype policy: {e.dtype_policy}"]
+    for c in e.communication:
+        lines.append(f"  comm {c.primitive:5s} {c.collective:14s} x{c.calls:<6d} {c.bytes / 2**30:9.2f} GiB over "
+                     f"{c.group_size} ({c.link}): {c.time_s:.3g} s, exposed {c.exposed_s:.3g} s")
+    return "\n".join(lines)
+
+
+def _human_rec(r: Any) -> str:
+    lines = [f"next: {r.primitive}  {r.config_patch}", f"  {r.reason}",
+             (f"  memory {_gib(r.memory_before_bytes)} -> {_gib(r.memory_after_bytes)} ({r.memory_change_pct:+.1f}%), "
+             f"throughput {r.throughput_change_pct:+.1f}%, fits after: {r.fits_after}")]
+    if r.more_gpus_needed:
+        lines.append("  the only answer on this hardware is more GPUs")
+    if r.validation:
+        lines.append(f"  validate: {r.validation.command}")
+    lines += [f"  not: {x}" for x in r.rejected[:6]]
+    return "\n".join(lines)
+
+
+def _human_plan(p: Any) -> str:
+    lines = [(f"{p.model} on {p.nodes} x {p.gpus_per_node} GPUs ({p.gpu_memory_gib} GiB), seq {p.seq_len}, global "
+             f"batch {p.global_batch}: {'fits' if p.fits else 'does not fit'} ({p.seconds * 1e3:.0f} ms)")]
+    for r in p.rungs:
+        par = r.parallel
+        lines.append(f"  {r.step:2d} {r.primitive:10s} dp{par['dp']} z{par['zero']} tp{par['tp']} pp{par['pp']} "
+                     f"cp{par['cp']} ep{par['ep']} rc:{par['recompute']:9s} {r.memory_gib['total']:9.2f} GiB "
+                     f"{'fits' if r.fits else 'OOM '} step {r.step_time_s:.3g} s")
+    lines.append(f"  {p.layouts_valid} valid layouts, {p.layouts_fitting} fit; fastest:")
+    for lay in p.ranked[:5]:
+        par = lay.parallel
+        lines.append(f"     dp{par['dp']} z{par['zero']} tp{par['tp']} pp{par['pp']}({par['pp_schedule']}) "
+                     f"cp{par['cp']} ep{par['ep']} rc:{par['recompute']} {lay.total_gib:.2f} GiB, "
+                     f"{lay.step_time_s:.3g} s, "
+                     f"MFU {lay.mfu:.1%}")
+    return "\n".join(lines)
+
+
+def _human_sweep(s: Any) -> str:
+    lines = [f"capacity of {s.config} ({s.mode}), usable {_gib(s.usable_bytes)} per rank:"]
+    for r in s.rungs:
+        mm = r.max_model
+        model = f"d{mm.d_model} x L{mm.n_layers} ({mm.params / 1e9:.3g}B)" if mm else "none"
+        lines.append(f"  {r.rung:18s} {r.world_size:5d} ranks  max micro-batch {r.max_micro_batch}  largest model "
+                     f"{model}{'  ' + r.note if r.note else ''}")
+    return "\n".join(lines)
+
+
+def _invalid(command: str, e: Exception) -> int:
+    print(f"curry-train {command}: {e}", file=sys.stderr)
+    return 2
+
+
+def _cmd_estimate(a: argparse.Namespace) -> int:
+    from curry_train.config import parse_sets
+    from curry_train.estimator import estimate_memory
+
+    e = estimate_memory(a.config, parse_sets(a.set), hardware=a.hardware, root=a.root)
+    _emit(e, a.json, _human_estimate)
+    return 0
+
+
+def _cmd_recommend(a: argparse.Namespace) -> int:
+    from curry_train.advice.advisor import recommend_next
+    from curry_train.config import parse_sets
+
+    r = recommend_next(a.config, a.symptom, parse_sets(a.set), hardware=a.hardware,
+                       measured_peak_bytes=a.measured_peak, root=a.root)
+    _emit(r, a.json, _human_rec)
+    return 0
+
+
+def _cmd_plan(a: argparse.Namespace) -> int:
+    from curry_train.advice.planner import plan
+
+    try:
+        p = plan(a.model, a.gpus_per_node, a.nodes, a.gpu_memory_gib, a.seq_len, a.global_batch,
+                 micro_batch=a.micro_batch, dtype=a.dtype, margin=a.margin, hardware=a.hardware, top=a.top,
+                 root=a.root)
+    except ValueError as e:
+        if type(e).__name__ == "ConfigError":
+            raise
+        return _invalid("plan", e)
+    _emit(p, a.json, _human_plan)
+    return 0
+
+
+def _cmd_sweep(a: argparse.Namespace) -> int:
+    from curry_train.config import parse_sets
+    from curry_train.advice.sweep import capacity_sweep
+
+    s = capacity_sweep(a.config, parse_sets(a.set), measured=a.measured, rungs=a.rung or None,
+                       max_micro_batch=a.max_micro_batch, launcher=a.launcher, timeout=a.timeout,
+                       progress=(lambda msg: print(msg, file=sys.stderr, flush=True)), root=a.root)
+    _emit(s, a.json, _human_sweep)
+    return 0
+
+
+def add_subcommands(subparsers: Any) -> None:
+    """Register estimate, recommend, plan and sweep on the curry-train parser."""
+    from curry_train.cli import add_config_args
+
+    hw_help = "hardware profile for the step time: A100-40, A100-80, H100, H200, CPU (default: from the config)"
+    p = subparsers.add_parser("estimate", help="per-rank memory, communication, FLOPs and step time (no run)")
+    add_config_args(p)
+    p.add_argument("--hardware", default=None, help=hw_help)
+    p.set_defaults(fn=_cmd_estimate)
+
+    p = subparsers.add_parser("recommend", help="the next parallelism primitive (stage-4 ladder), with numbers")
+    add_config_args(p)
+    p.add_argument("--symptom", choices=["oom", "slow", "none"], default=None,
+                   help="what goes wrong now (default: derived from the estimate)")
+    p.add_argument("--measured-peak", type=int, default=None, metavar="BYTES",
+                   help="a measured per-rank peak (bench): sizes the reduction an OOM needs")
+    p.add_argument("--hardware", default=None, help=hw_help)
+    p.set_defaults(fn=_cmd_recommend)
+
+    p = subparsers.add_parser("plan", help="climb the ladder for a model on a cluster and rank every layout")
+    p.add_argument("--model", required=True, help="config name in configs/ (its model section) or a YAML path")
+    p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--nodes", type=int, default=1)
+    p.add_argument("--gpu-memory-gib", type=float, default=80.0)
+    p.add_argument("--seq-len", type=int, default=None, help="default: the config's")
+    p.add_argument("--global-batch", type=int, default=None, help="sequences per step (default: the config's)")
+    p.add_argument("--micro-batch", type=int, default=1)
+    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    p.add_argument("--margin", type=float, default=0.0, help="extra fraction of usable memory to keep free")
+    p.add_argument("--top", type=int, default=10, help="how many ranked layouts to return")
+    p.add_argument("--hardware", default=None, help=hw_help)
+    p.add_argument("--root", default=None)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(fn=_cmd_plan)
+
+    p = subparsers.add_parser("sweep", help="largest micro-batch and model under each ladder rung")
+    add_config_args(p)
+    p.add_argument("--measured", action="store_true", help="binary-search with real runs on this machine")
+    p.add_argument("--rung", action="append", default=[], help="only these rungs (repeatable), e.g. zero3")
+    p.add_argument("--max-micro-batch", type=int, default=4096)
+    p.add_argument("--launcher", choices=["forkserver", "torchrun"], default="forkserver")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds per measured run")
+    p.set_defaults(fn=_cmd_sweep)

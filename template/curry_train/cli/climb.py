@@ -1,0 +1,199 @@
+"""The main job: climb the parallelism ladder on this machine until a per-rank memory budget fits.
+
+    curry-train climb --config configs/tiny.yaml --memory-budget 2000000
+
+The seed's procedure, automated, one primitive per rung:
+  probe this machine -> write <config>-climb (the base fitted to this machine, budget as hardware.gpu_memory_gib)
+  -> bench the baseline -> while the measured per-rank peak is over the budget: recommend_next (symptom oom)
+  -> apply its one-primitive patch with update_config -> bench -> white-box against one device -> record.
+It stops when the measurement fits, when parity fails (never stack a primitive on a broken one), when the advisor
+says only more GPUs help, or after --max-rungs. Every bench and white-box run is in the ledger; every version of
+the climb config is in configs/.history/. The table: rung, primitive, layout, predicted vs measured per-rank
+bytes, step time, parity verdict.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, Field
+
+from curry_train.measure.bench import DeviceLock
+from curry_train.paths import configs_dir, resolve_config_arg
+
+CPU_MAX_RANKS = 4  # gloo ranks are processes sharing the cores: beyond 4 a tiny climb only gets slower
+# The README's CPU budget for tiny: between the measured peaks of rung 2 (ZeRO-3 on 4 ranks + full recompute,
+# 2.25 MB) and rung 3 (+ TP 2 with SP, 1.75 MB), so the climb takes three primitives (baseline 6.04 MB).
+README_BUDGET = 2_000_000
+
+
+class Rung(BaseModel):
+    rung: int
+    primitive: str = Field(description="What this rung added ('baseline' for rung 0).")
+    reason: str = ""
+    patch: dict[str, Any] = Field(default_factory=dict, description="Dotted keys applied on this rung.")
+    parallel: dict[str, Any]
+    world_size: int
+    predicted_bytes: int | None = Field(None, description="The estimator's per-rank peak.")
+    measured_bytes: int = Field(description="bench's measured per-rank peak (largest rank).")
+    step_time_s: float | None
+    oom: bool
+    fits: bool = Field(description="Measured peak within the budget.")
+    parity: str = Field(description="white-box verdict: passed, FAILED, or why it was not run.")
+    bench_run: str
+    whitebox_run: str | None = None
+    loss: float | None = None
+
+
+class ClimbReport(BaseModel):
+    config: str = Field(description="The config the climb wrote (configs/<config>.yaml), its final rung.")
+    base: str
+    memory_budget_bytes: int
+    device: str
+    rungs: list[Rung]
+    fits: bool
+    stopped: str = Field(description="Why the climb ended.")
+    final_parallel: dict[str, Any]
+    wall_s: float
+
+
+def _layout(p: dict[str, Any]) -> str:
+    s = f"dp{p['dp']} z{p['zero']} tp{p['tp']}{'+sp' if p.get('sp') else ''} pp{p['pp']} cp{p['cp']}"
+    if p.get("ep", 1) > 1:
+        s += f" ep{p['ep']}"
+    if p.get("recompute", "none") != "none":
+        s += f" rc:{p['recompute']}"
+    return s
+
+
+def _mib(b: int | None) -> str:
+    return "-" if b is None else f"{b / 2**20:.2f} MiB"
+
+
+def format_table(r: ClimbReport) -> str:
+    head = f"{'rung':>4}  {'primitive':<10} {'layout':<28} {'predicted':>11} {'measured':>11} {'step':>9}  " \
+           f"{'parity':<8} fits"
+    lines = [(f"climb {r.base} -> configs/{r.config}.yaml on {r.device}, budget {_mib(r.memory_budget_bytes)} "
+              f"({r.memory_budget_bytes} B) per rank"), head, "-" * len(head)]
+    for g in r.rungs:
+        step = f"{g.step_time_s * 1e3:.1f} ms" if g.step_time_s else "OOM"
+        lines.append(f"{g.rung:>4}  {g.primitive:<10} {_layout(g.parallel):<28} {_mib(g.predicted_bytes):>11} "
+                     f"{'OOM' if g.oom and not g.measured_bytes else _mib(g.measured_bytes):>11} {step:>9}  "
+                     f"{g.parity:<8} {'yes' if g.fits else 'no'}")
+    lines.append(f"{'FITS' if r.fits else 'DOES NOT FIT'}: {r.stopped} ({r.wall_s:.0f} s)")
+    return "\n".join(lines)
+
+
+def _recommend(name: str, root: str | Path | None, measured_peak_bytes: int | None) -> Any:
+    """The advisor's next rung for a measured OOM (the measurement tells it how far over the budget we are)."""
+    from curry_train.advice.advisor import recommend_next
+
+    return recommend_next(name, symptom="oom", measured_peak_bytes=measured_peak_bytes or None, root=root)
+
+
+def _machine_changes(cfg: Any, budget: int, probe: Any) -> dict[str, Any]:
+    """Fit the base config to this machine: its device, how many ranks it can run, the budget."""
+    out: dict[str, Any] = {"hardware.gpu_memory_gib": budget / 2**30, "hardware.nodes": 1}
+    if probe.gpu_count:
+        out.update({"hardware.device": "cuda", "hardware.gpus_per_node": probe.gpu_count})
+    else:
+        out.update({"hardware.device": "cpu",
+                    "hardware.gpus_per_node": max(1, min(cfg.hardware.gpus_per_node, CPU_MAX_RANKS))})
+    return out
+
+
+def climb(config: str, memory_budget: int, *, overrides: dict[str, Any] | None = None, name: str | None = None,
+          steps: int = 3, max_rungs: int = 8, root: str | Path | None = None, timeout: float = 900.0,
+          log: Callable[[str], None] | None = None) -> ClimbReport:
+    """Walk the ladder from `config` (a name in configs/ or a YAML file there) until `memory_budget` bytes fit."""
+    from curry_train.measure import service
+    from curry_train.measure.bench import bench
+    from curry_train.store.configs import update_config
+    from curry_train.measure.hardware import probe_hardware
+
+    say = log or (lambda msg: None)
+    if memory_budget <= 0:
+        raise ValueError("--memory-budget is bytes per rank and must be positive")
+    t0 = time.perf_counter()
+    path = resolve_config_arg(config, root)
+    if path.resolve().parent != configs_dir(root).resolve():
+        raise ValueError(f"{config}: the climb writes its rungs next to the base, so the base must be in "
+                         f"{configs_dir(root)}")
+    base = path.stem
+    base_cfg, _ = service.resolve(base, overrides, root)
+    name = name or f"{base}-climb"
+    if name == base:
+        raise ValueError("the climb never rewrites its base config; pass another --name")
+
+    say("probing this machine")
+    probe = probe_hardware()
+    changes = {**(overrides or {}), **_machine_changes(base_cfg, memory_budget, probe)}
+    update_config(name, changes, base=base, root=root)
+    say(f"wrote configs/{name}.yaml from {base}: {changes}")
+    device = "cuda" if probe.gpu_count else "cpu"
+
+    rungs: list[Rung] = []
+    lock = DeviceLock(root)
+
+    def locked(fn: Callable[[], Any]) -> Any:
+        lock.acquire(timeout=timeout, on_wait=say)
+        try:
+            return fn()
+        finally:
+            lock.release()
+
+    def measure(rung: int, primitive: str, reason: str, patch: dict[str, Any]) -> Rung:
+        say(f"rung {rung}: bench {name} ({primitive})")
+        b = locked(lambda: bench(name, steps=steps, warmup=1, root=root, timeout=timeout, progress=say))
+        parity, wb_run = "n/a", None
+        if b.oom and not b.peak_memory_bytes:
+            parity = "skipped"  # a CUDA OOM: nothing to compare
+        elif rung == 0 and b.world_size == 1:
+            parity = "ref"  # the single-device baseline is the reference itself
+        else:
+            say(f"rung {rung}: white-box {name} against one device")
+            v = locked(lambda: service.whitebox(name, steps=1, root=root, timeout=timeout))
+            parity, wb_run = ("passed" if v.passed else "FAILED"), v.run_id
+        fits = not b.oom and b.peak_memory_bytes <= memory_budget
+        g = Rung(rung=rung, primitive=primitive, reason=reason, patch=patch, parallel=b.parallel,
+                 world_size=b.world_size, predicted_bytes=b.estimate.total if b.estimate else None,
+                 measured_bytes=b.peak_memory_bytes, step_time_s=b.step_time_s, oom=b.oom, fits=fits,
+                 parity=parity, bench_run=b.run_id, whitebox_run=wb_run, loss=b.losses[-1] if b.losses else None)
+        say(f"rung {rung}: {primitive}: measured {_mib(g.measured_bytes)} (predicted {_mib(g.predicted_bytes)}), "
+            f"parity {parity}, {'fits' if fits else 'over budget'}")
+        return g
+
+    rungs.append(measure(0, "baseline", f"{base} fitted to this machine", changes))
+    stopped = ""
+    while True:
+        last = rungs[-1]
+        if last.parity == "FAILED":
+            stopped = f"white-box parity FAILED at rung {last.rung} (run {last.whitebox_run}); fix it before " \
+                      "climbing further"
+            break
+        if last.fits:
+            stopped = f"fits after {last.rung} rung(s): measured {_mib(last.measured_bytes)} <= budget"
+            break
+        if last.rung >= max_rungs:
+            stopped = f"still over budget after --max-rungs {max_rungs}"
+            break
+        rec = _recommend(name, root, last.measured_bytes)
+        primitive = str(getattr(rec, "primitive", "none"))
+        patch = dict(getattr(rec, "config_patch", {}) or {})
+        reason = str(getattr(rec, "reason", ""))
+        if primitive == "none" or not patch:
+            stopped = f"the advisor has no further rung: {reason}"
+            break
+        say(f"rung {last.rung + 1}: advisor recommends {primitive}: {reason}")
+        upd = update_config(name, patch, root=root)
+        if not upd.written:
+            stopped = f"the advisor repeated a patch already applied ({patch}): {reason}"
+            break
+        rungs.append(measure(last.rung + 1, primitive, reason, patch))
+    final = rungs[-1]
+    return ClimbReport(config=name, base=base, memory_budget_bytes=memory_budget, device=device, rungs=rungs,
+                       fits=final.fits and final.parity != "FAILED", stopped=stopped, final_parallel=final.parallel,
+                       wall_s=time.perf_counter() - t0)

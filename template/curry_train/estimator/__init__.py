@@ -1,0 +1,290 @@
+"""Analytical per-rank memory, communication, FLOPs and step time of *this template's* implementation.
+
+    curry-train estimate --config llama3-8b --set parallel.dp=8 --set parallel.zero=3 --json
+    python -c "from curry_train.estimator import estimate_memory; print(estimate_memory('tiny').memory)"
+
+Pure arithmetic (no tensor is allocated; 405B takes milliseconds). It models what the template does, not a
+textbook transformer (estimation-formulas.md §1-§8, with the implementation corrections of §2.2 and §12):
+
+Dtype policy (train.dtype = float32 | bfloat16):
+  master params fp32 (4 B), grads fp32 (4 B), AdamW exp_avg + exp_avg_sq fp32 (8 B), plus a 4-byte `step`
+  tensor per parameter tensor (counted on CPU only: AdamW keeps it on the host unless capturable/fused).
+  compute fp32: every activation 4 B.
+  compute bf16, no FSDP (single process, DDP, ZeRO-1, TP, PP): torch.autocast. The residual stream and the
+    RMSNorm inputs/outputs stay fp32 (the embedding is not autocast, and fp32 + bf16 = fp32); every Linear
+    saves a *bf16 copy* of its input (wq, wk and wv each cast the same input: three copies) and of its weight.
+  compute bf16 under FSDP (zero >= 2 with dp*cp > 1): MixedPrecisionPolicy(bf16 params, fp32 reduce). The
+    stream is bf16, RMSNorm saves its fp32 upcast and a bf16 normalised copy, weights are gathered in bf16.
+  logits: compute dtype; the loss upcasts them and log_softmax saves an fp32 [tokens, V] tensor.
+
+Per op, what autograd saves (measured on torch 2.13 CPU with saved-tensor hooks, exact to the byte):
+  RMSNorm: input, rsqrt [tokens, 1] fp32, normalised x; wq/wk/wv: their input; RoPE: only cos/sin;
+  GQA repeat_interleave: the repeated k, v are new tensors [B, H, T, Dh]; SDPA (CPU flash and CUDA flash):
+  q, k, v, out and the fp32 logsumexp [B, H, T]; the transpose+reshape before wo copies out (wo saves the copy);
+  SwiGLU: w1 and w3 outputs, silu(w1 x), and the product (w2's input); MoE: router probs and gates, dispatched
+  and combined rows, per-expert SwiGLU intermediates (and each SelectBackward's full-size expert gradient in
+  backward); ring attention (CP): q, the un-repeated k/v, an fp32 out and lse; TP's loss_parallel: an fp32
+  log_softmax of the local vocabulary slice; the vocab-parallel embedding's gradient is full-size.
+Implementation buffers modelled: DDP's flat gradient buckets (gradient_as_bucket_view=False: a second fp32 copy
+of the gradients), ZeroRedundancyOptimizer's greedy whole-tensor partition, FSDP2's padded dim-0 shards, the
+gathered units (zero 2: all of them from forward to backward; zero 3: root + current + prefetched block), the
+unsharded fp32 gradients FSDP2 accumulates under a pipeline (its schedule turns sync off for all micro-batches
+but the last; without PP the template reduce-scatters every micro-step), the reduce-scatter input kept in
+flight, the pipeline's receive buffers (one per micro-batch), the logits of each micro-batch in flight (the
+schedule's fwd_cache; step(return_outputs=False) keeps no others), the loss's transients (two fp32 [tokens, V]
+gradients), AdamW's step temporaries.
+
+The peak is the largest of a few moments of the step (the loss and LM-head backward, a block's backward at the
+SwiGLU gradient or in RMSNorm's backward, the step's last block backward, the optimizer step; with a pipeline, at
+the schedule's fullest backward starts); `memory` reports the components live at that moment, for the pipeline
+rank with the largest total (every other axis is symmetric; ZeRO-1 and FSDP padding take rank 0's share, the
+largest). Checked against curry_train.measure.memory on 39 tiny layouts (benchmarks/estimator_accuracy.py): model
+states exact, median total error < 0.1%. Communication uses ring factors and alpha-beta times per link (intra
+vs inter node); step time = compute at the profile's efficiency + bubble + exposed communication + optimizer.
+
+Files (this one holds the public API and the result models; the others are re-exported here):
+  estimate_layout.py    the flat layout of a config, the parameter tensors a rank holds, counts, FLOPs
+  estimate_pipeline.py  stage placement, each rank's schedule order, micro-batches in flight, the bubble
+  estimate_acts.py      activation bytes of one micro-batch, per op and dtype path
+  estimate_states.py    params, gradients, AdamW state and the DDP / ZeRO-1 / FSDP buffers around them
+  estimate_peak.py      the moments of the step and the per-rank peak
+  estimate_comm.py      collectives per step and the step time (CommItem, StepTime)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, Field
+
+from curry_train.config import Config, from_dict, load_yaml
+from curry_train.estimator.comm import CommItem, StepTime, _step_time
+from curry_train.estimator.layout import (
+    GiB,
+    _Layout,
+    _layout,
+    _replace,
+    active_params,
+    flops_per_token,
+    hardware_flops_per_token,
+    param_count,
+)
+from curry_train.estimator.peak import PP_KEEPS_OUTPUTS, _peak
+from curry_train.estimator.pipeline import bubble_fraction, in_flight, pipe_states, stage_ids
+from curry_train.estimator.states import _states
+from curry_train.estimator.profiles import HardwareProfile, from_device_name, from_probe, get_profile, guess_profile
+
+__all__ = [  # the public API; planner.py and the tests also reach into _layout, _replace and _states
+    "CommItem", "Estimate", "GiB", "MemoryBreakdown", "Quick", "StepTime", "_layout", "_replace", "_states",
+    "active_params", "bubble_fraction", "dtype_policy", "estimate", "estimate_memory", "flops_per_token",
+    "hardware_flops_per_token", "in_flight", "load_any", "memory_per_pp_rank", "model_states", "param_count",
+    "peak_flops", "pipe_states", "quick", "quick_layout", "reserve_bytes", "resolve_hardware", "stage_ids",
+]
+
+CUDA_CONTEXT_RESERVE_GIB = 2.0  # CUDA context, cuBLAS/NCCL workspaces: outside torch's allocator
+FRAGMENTATION_RESERVE = 0.05  # caching-allocator fragmentation (Megatron adds 5%)
+
+
+# ----------------------------------------------------------------------------------------------- results
+
+
+class MemoryBreakdown(BaseModel):
+    """Bytes live on one rank at its peak, in the components bench reports (curry_train.measure.memory's categories,
+    folded as bench.fold does)."""
+
+    params: int = Field(description="fp32 master params (full, TP-local or this rank's FSDP shard) plus working "
+                                    "copies: FSDP-gathered units, autocast's bf16 weight casts.")
+    grads: int = Field(description=".grad tensors plus DDP's buckets and FSDP's unsharded gradients/accumulators.")
+    optimizer: int = Field(description="AdamW state (exp_avg, exp_avg_sq, step) this rank owns.")
+    activations: int = Field(description="Forward-created tensors alive at the peak: what backward reads for every "
+                                         "in-flight micro-batch, logits, the batch; recomputed ones too.")
+    other: int = Field(description="Everything else: gradients of activations and other backward temporaries, "
+                                   "loss gradients, communication staging, pipeline buffers, module buffers.")
+    total: int = Field(description="Sum of the five: the per-rank peak.")
+    pp_rank: int = Field(0, description="Pipeline rank this breakdown is for.")
+    phase: str = Field("", description="Moment of the step where the peak falls.")
+    detail: dict[str, int] = Field(default_factory=dict, description="Named pieces of the components.")
+
+    def gib(self) -> dict[str, float]:
+        return {k: round(getattr(self, k) / GiB, 3) for k in ("params", "grads", "optimizer", "activations",
+                                                               "other", "total")}
+
+
+class Estimate(BaseModel):
+    """The estimator's answer for one config."""
+
+    memory: MemoryBreakdown = Field(description="The rank with the largest total.")
+    per_pp_rank: list[MemoryBreakdown] = Field(description="One breakdown per pipeline rank.")
+    budget_bytes: int = Field(description="hardware.gpu_memory_gib.")
+    reserve_bytes: int = Field(description="Held back for the CUDA context/NCCL and fragmentation (0 on CPU).")
+    usable_bytes: int = Field(description="budget - reserve: what the peak must stay under.")
+    fits: bool
+    headroom_bytes: int = Field(description="usable - total (negative: over budget).")
+    param_count: int = Field(description="Parameters of the whole model.")
+    params_per_rank: int = Field(description="Parameters stored on the largest rank (after TP/PP/EP/FSDP).")
+    model_state_bytes: int = Field(description="fp32 params + final grads + AdamW state on the largest rank.")
+    model_state_bytes_per_param: float = Field(
+        description="model_state_bytes / param_count: 16 for DDP, 16/d under ZeRO-3 (the ZeRO paper's Fig. 1).")
+    active_params_per_token: int = Field(description="Matmul parameters one token passes through (MoE: top-k).")
+    flops_per_token: float = Field(description="Model FLOPs per token, fwd+bwd (PaLM: 6N + 12 L H Dh s).")
+    hardware_flops_per_token: float = Field(description="Executed FLOPs per token: causal attention, recompute.")
+    communication: list[CommItem]
+    step_time: StepTime
+    hardware: HardwareProfile
+    dtype_policy: str
+    assumptions: list[str]
+
+
+# ----------------------------------------------------------------------------------------------- memory
+
+
+def _breakdown(x: _Layout, pp_rank: int) -> MemoryBreakdown:
+    pk = _peak(x, pp_rank)
+    return MemoryBreakdown(params=pk.params, grads=pk.grads, optimizer=pk.optimizer, activations=pk.activations,
+                           other=pk.other, total=pk.total, pp_rank=pp_rank, phase=pk.phase, detail=dict(pk.detail))
+
+
+def memory_per_pp_rank(cfg: Config) -> list[MemoryBreakdown]:
+    """Peak breakdown of every pipeline rank (rank 0 alone without PP)."""
+    x = _layout(cfg)
+    return [_breakdown(x, r) for r in range(x.pp)]
+
+
+def reserve_bytes(cfg: Config) -> int:
+    """What the estimate keeps free of the budget: on CUDA the context/NCCL workspaces (2 GiB) plus 5% for
+    fragmentation; on CPU nothing (the measurement counts live tensor bytes exactly)."""
+    return _reserve(_layout(cfg))
+
+
+def _reserve(x: _Layout) -> int:
+    if x.device == "cpu":
+        return 0
+    return int(CUDA_CONTEXT_RESERVE_GIB * GiB + FRAGMENTATION_RESERVE * x.budget_gib * GiB)
+
+
+def peak_flops(device_name: str, dtype: str) -> float | None:
+    """Peak dense FLOP/s of a device by its name ('NVIDIA H100 80GB HBM3'); None when unknown."""
+    prof = from_device_name(device_name)
+    return prof.peak_flops(dtype) if prof is not None and prof.name != "CPU" else None
+
+
+# ----------------------------------------------------------------------------------------------- public API
+
+
+def resolve_hardware(cfg: Config, hardware: str | HardwareProfile | None = None,
+                     probe: dict[str, Any] | None = None) -> HardwareProfile:
+    """The profile to time a config on: explicit name/profile, else guessed from hardware.device and
+    gpu_memory_gib; a probe result (HardwareReport dict or flat fields) overrides it."""
+    if isinstance(hardware, HardwareProfile):
+        base = hardware
+    elif isinstance(hardware, str) and hardware:
+        base = get_profile(hardware)
+    else:
+        dev = cfg.hardware.device if cfg.hardware.device != "auto" else "cuda"
+        base = guess_profile(dev, cfg.hardware.gpu_memory_gib)
+    return from_probe(base, probe)
+
+
+def dtype_policy(cfg: Config) -> str:
+    x = _layout(cfg)
+    mech = {"fp32": "fp32 compute", "autocast": "bf16 compute via torch.autocast (fp32 residual stream, bf16 "
+            "copies of each Linear's input and weight saved)", "mp": "bf16 compute via FSDP2 MixedPrecisionPolicy "
+            "(bf16 gathered params and stream, fp32 reduce-scatter)"}[x.path]
+    return f"fp32 master params, fp32 grads, AdamW fp32 exp_avg + exp_avg_sq (16 B/param); {mech}"
+
+
+def estimate(cfg: Config, *, hardware: str | HardwareProfile | None = None,
+             probe: dict[str, Any] | None = None) -> Estimate:
+    """Per-rank memory, communication, FLOPs and step time for a validated config."""
+    x = _layout(cfg)
+    hw = resolve_hardware(cfg, hardware, probe)
+    per = [_breakdown(x, r) for r in range(x.pp)]
+    worst = max(per, key=lambda b: b.total)
+    budget = int(x.budget_gib * GiB)
+    reserve = reserve_bytes(cfg)
+    usable = budget - reserve
+    step, items = _step_time(x, hw)
+    st = _states(x, stage_ids(x, worst.pp_rank))
+    states = st.params + st.grads_full + st.opt
+    notes = [
+        "peak = max over: loss backward, last/first block backward, optimizer step (steady state, step >= 2)",
+        "MoE routing assumed uniform (EP ranks receive as many rows as they send)" if x.E else "",
+        f"reserve = {CUDA_CONTEXT_RESERVE_GIB} GiB context/NCCL + {int(FRAGMENTATION_RESERVE * 100)}% "
+        "fragmentation" if x.device != "cpu" else "CPU: no reserve (live tensor bytes are measured exactly)",
+        "FSDP under a pipeline keeps unsharded fp32 grads between micro-batches (the schedule's no-sync)"
+        if x.fsdp and x.pp > 1 else "",
+        "pipeline step() keeps every micro-batch's logits on the last stage (return_outputs=True)"
+        if x.pp > 1 and PP_KEEPS_OUTPUTS else "",
+    ]
+    return Estimate(memory=worst, per_pp_rank=per, budget_bytes=budget, reserve_bytes=reserve, usable_bytes=usable,
+                    fits=worst.total <= usable, headroom_bytes=usable - worst.total, param_count=param_count(cfg),
+                    params_per_rank=st.n_stored, model_state_bytes=states,
+                    model_state_bytes_per_param=states / max(param_count(cfg), 1),
+                    active_params_per_token=active_params(cfg),
+                    flops_per_token=flops_per_token(cfg), hardware_flops_per_token=hardware_flops_per_token(cfg),
+                    communication=items, step_time=step, hardware=hw, dtype_policy=dtype_policy(cfg),
+                    assumptions=[n for n in notes if n])
+
+
+def load_any(config: str | Path | dict[str, Any] | Config, overrides: dict[str, Any] | None = None, *,
+             root: str | Path | None = None, validate: bool = True) -> Config:
+    """A Config from a name in configs/ ('llama3-8b'), a YAML path, a raw dict or a Config, plus dotted
+    overrides."""
+    if isinstance(config, Config):
+        if not overrides:
+            return config
+        return from_dict(config.to_dict(), overrides, validate=validate)
+    if isinstance(config, dict):
+        return from_dict(config, overrides, validate=validate)
+    from curry_train.paths import resolve_config_arg
+
+    path = resolve_config_arg(str(config), root)
+    if not path.is_file():
+        from curry_train.paths import configs_dir
+
+        have = ", ".join(sorted(p.stem for p in configs_dir(root).glob("*.yaml")))
+        raise FileNotFoundError(f"no config {str(config)!r}; available: {have or '(none)'}")
+    return from_dict(load_yaml(path), overrides, validate=validate)
+
+
+def estimate_memory(config: str | Path | dict[str, Any] | Config, overrides: dict[str, Any] | None = None, *,
+                    hardware: str | HardwareProfile | None = None, probe: dict[str, Any] | None = None,
+                    root: str | Path | None = None) -> Estimate:
+    """`estimate` for a config name/path/dict with dotted overrides (the MCP tool's core)."""
+    return estimate(load_any(config, overrides, root=root), hardware=hardware, probe=probe)
+
+
+@dataclass
+class Quick:
+    """The planner's fast path: the worst rank's peak and the step time, without the pydantic result."""
+
+    total: int
+    usable: int
+    step_s: float
+    comm_fraction: float
+    mfu: float
+
+
+def quick_layout(x: _Layout, hw: HardwareProfile) -> Quick:
+    ranks = [0, x.pp - 1] if x.pp > 1 else [0]
+    if x.pp > 1 and x.schedule == "zero_bubble" and x.v == 2:
+        ranks.append(x.pp // 2)
+    total = max(_peak(x, r).total for r in ranks)
+    step, _ = _step_time(x, hw)
+    usable = int(x.budget_gib * GiB) - _reserve(x)
+    return Quick(total=total, usable=usable, step_s=step.total_s, comm_fraction=step.comm_fraction, mfu=step.mfu)
+
+
+def quick(cfg: Config, hw: HardwareProfile) -> Quick:
+    """quick_layout for a Config."""
+    return quick_layout(_layout(cfg), hw)
+
+
+def model_states(cfg: Config, pp_rank: int = 0) -> dict[str, int]:
+    """Persistent parameter bytes, the gradients the optimizer reads, and AdamW state on one pipeline rank
+    (memory.py's `params`, `grads` and `optimizer` categories)."""
+    x = _layout(cfg)
+    st = _states(x, stage_ids(x, pp_rank))
+    return {"params": st.params, "grads": st.grads_full, "optimizer": st.opt}

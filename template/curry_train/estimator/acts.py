@@ -1,0 +1,163 @@
+"""Activation bytes of one micro-batch on one rank, by what holds them: what autograd saves per op, under each
+dtype path, recompute mode, TP/SP, CP ring attention and MoE (part of curry_train.estimator; measured on torch 2.13
+CPU with saved-tensor hooks, see estimate.py's docstring).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+from curry_train.estimator.layout import _block_tensors, _Layout
+
+
+@dataclass
+class _Acts:
+    """Bytes of one micro-batch on this rank (n = b * T / cp tokens), by what holds them."""
+
+    layer_saved: int  # per layer, kept from forward to backward (after recompute's dropping)
+    layer_full: int  # per layer without recompute (what a recomputed block materialises in backward)
+    ffn_saved: int  # the FFN's share of layer_full (its input copies and SwiGLU / expert intermediates)
+    prod: int  # the SwiGLU product w2 saves (freed by the first op of a block's backward)
+    ffn_bwd: int  # the FFN backward's working set: dprod + dsilu + dup (three [n, F] gradients)
+    pcopy_layer: int  # autocast: bf16 copies of one layer's weights (memory.py: param_copies)
+    pcopy_head: int  # autocast: bf16 copy of the LM head weight
+    embed: int  # token ids (+ TP's masked ids and mask)
+    head: int  # final norm's saved tensors and the head's input
+    lsm: int  # fp32 log_softmax output saved by the loss
+    targets: int  # target ids the loss keeps
+    logits: int  # [tokens, V/tp] in the compute dtype, alive until the micro-batch's backward ends
+    grad_logits: int  # the logits' gradient (compute dtype)
+    dy_head: int  # gradient of the head's input [n, D]
+    rope: int  # cos/sin rows indexed per forward call, shared by a chunk's layers
+    stream: int  # one hidden state [n_local, D] in the residual dtype
+    d_stream: int  # its gradient
+    lin_out_grads: int  # gradients of one layer's linear outputs (zero bubble keeps them for the W pass)
+    ring_bwd: int  # context_parallel.RingAttention.backward's working set
+    post_attn: int  # wo's input and the FFN norm's saved tensors (freed before the attention core's backward)
+
+
+@lru_cache(maxsize=8192)
+def _acts(x: _Layout) -> _Acts:
+    t, sp = x.tp, x.sp
+    T = x.s // x.cp
+    n = x.b * T  # tokens per micro-batch on this rank
+    nn_ = n // t if sp else n  # tokens in the norm/residual region (SP shards the sequence)
+    D, Dh = x.D, x.Dh
+    Hl, Gl = x.H // t, x.G // t
+    Dq, Dkv = Hl * Dh, Gl * Dh
+    rep = x.H // x.G
+    Fl = x.F // t
+    Vl = x.V // t
+    path = x.path
+    c = 4 if path == "fp32" else 2  # compute bytes
+    r = 2 if path == "mp" else 4  # residual-stream bytes
+    cp_ring = x.cp > 1
+    # attention core: SDPA saves q, k, v (repeated for GQA), out, lse; ring attention (CP) saves q, the
+    # un-repeated k, v, an fp32 out and the lse.
+    if cp_ring:
+        attn = n * (Dq * c + 2 * Dkv * c + Dq * 4 + Hl * 4)
+    else:
+        Dk = Dq if rep > 1 else Dkv
+        attn = n * ((2 * Dq + 2 * Dk) * c + Hl * 4)
+    wo_in = n * Dq * c
+    if path == "fp32":
+        norms = 4 * nn_ * (4 * D + 2)  # x, normed, rsqrt (x2 norms)
+        y1, y2 = 4 * n * D, 4 * n * D  # q/k/v input, w1/w3 input
+    elif path == "autocast":
+        norms = 4 * nn_ * (4 * D + 2)
+        y1, y2 = 3 * 2 * n * D, 2 * 2 * n * D  # bf16 casts: one per wq, wk, wv; one per w1, w3
+    else:  # mp
+        norms = nn_ * (4 * 2 * D + 2 * 2 * D + 4 * 2)  # fp32 upcast + bf16 normalised, rsqrt (x2)
+        y1, y2 = 2 * n * D, 2 * n * D
+    if x.E:
+        ffn = _moe_saved(x, n, path) + (y2 if path != "autocast" else 0)
+        _, Sk = _moe_slots(x, n)
+        prod = Sk * x.F * c
+        # Experts.forward indexes w[e] per expert: each SelectBackward returns a zero-filled [El, D, F] gradient
+        # that is summed into the running one (three params: w1, w3, w2), two more in flight (measured)
+        El = x.E // x.ep
+        ffn_bwd = 5 * El * D * x.F * (2 if path == "mp" else 4) + 3 * (Sk // El) * x.F * c
+    else:
+        ffn = y2 + n * 4 * Fl * c
+        prod = n * Fl * c
+        ffn_bwd = 3 * prod
+    full = norms + y1 + attn + wo_in + ffn
+    stream = nn_ * D * r
+    if x.recompute == "full":
+        saved = stream
+    elif x.recompute == "selective":
+        mm = n * (Dq + 2 * Dkv + D) * c + (n * (2 * Fl + D) * c if not x.E else _moe_mm(x, n, c))
+        core = n * (Dq * (4 if cp_ring else c) + Hl * 4)
+        rs = 2 * nn_ * D * c if sp else 0
+        saved = stream + mm + core + rs
+    else:
+        saved = full
+    pcopy = 0
+    if path == "autocast":
+        lin = sum(d0 * rest for d0, rest, _, _ in _block_tensors(x) if rest > 1)
+        if x.E:  # the router runs in fp32 (no cast); expert slices are cast one by one, all kept
+            lin -= x.E * D
+        pcopy = 2 * lin
+    embed = n * 8 + (n * 9 if t > 1 else 0)  # ids; TP's vocab-parallel lookup keeps masked ids and a mask
+    if path == "fp32":
+        head = 4 * nn_ * (2 * D + 1) + 4 * n * D
+    elif path == "autocast":
+        head = 4 * nn_ * (2 * D + 1) + 2 * n * D
+    else:
+        head = nn_ * (4 * D + 2 * D + 4) + 2 * n * D
+    return _Acts(layer_saved=saved, layer_full=full, ffn_saved=ffn, prod=prod, ffn_bwd=ffn_bwd, pcopy_layer=pcopy,
+                 pcopy_head=2 * Vl * D if path == "autocast" else 0, embed=embed, head=head, lsm=4 * n * Vl,
+                 targets=n * 8, logits=c * n * Vl, grad_logits=c * n * Vl, dy_head=c * n * D,
+                 rope=2 * T * (Dh // 2) * 4, stream=stream, d_stream=stream,
+                 lin_out_grads=n * (Dq + 2 * Dkv + 2 * D + (2 * Fl if not x.E else 0)) * c,
+                 ring_bwd=_ring_backward(x, n, Dq, Dkv, Hl, c) if cp_ring else 0, post_attn=wo_in + norms // 2)
+
+
+def _ring_backward(x: _Layout, n: int, Dq: int, Dkv: int, Hl: int, c: int) -> int:
+    """RingAttention.backward (context_parallel.py) on one rank: fp32 q, dout and dq [n, Dq]; the K/V stack and
+    the ring's receive buffer [2, n, Dkv] in the compute dtype; fp32 dK/dV and its shift buffer; fp32 copies of
+    the K/V block in hand; the row sums; and a block's fp32 score / probability / gradient tiles (head-tail
+    layout: blocks of T/(2 cp) x T/(2 cp) per head): the loop's variables keep the previous block's four tiles
+    alive while the next block's first two are made (measured)."""
+    up = 0 if c == 4 else 1  # .float() copies only when the compute dtype is bf16
+    Tb = x.s // (2 * x.cp)
+    tiles = 6 * x.b * Hl * Tb * Tb * 4
+    return (n * Dq * 4 * (1 + 2 * up) + n * Hl * 4 + 2 * (2 * n * Dkv * c) + 2 * (2 * n * Dkv * 4)
+            + up * 2 * n * Dkv * 4 + tiles)
+
+
+def _moe_slots(x: _Layout, n: int) -> tuple[int, int]:
+    """(routing slots S = n*K, kept slots) of one micro-batch on this rank (uniform routing)."""
+    S = n * x.K
+    if x.cf > 0:
+        cap = math.ceil(x.cf * n * x.K / x.E)
+        return S, min(S, cap * x.E)
+    return S, S
+
+
+def _moe_saved(x: _Layout, n: int, path: str) -> int:
+    """moe.MoE's saved tensors per micro-batch (measured on torch 2.13 CPU): router probs, top-k ids and
+    gates, the dispatched rows [S_kept, D] (and a second [S_kept, D] the combine keeps), every expert's SwiGLU
+    intermediates (4 F per kept slot), the combine's rows [S, D] and weights. EP trades rows, it does not
+    remove them (uniform routing assumed: each rank receives as many rows as it sends). The router runs in
+    fp32 whatever the compute dtype, so under autocast it keeps the fp32 norm output."""
+    S, Sk = _moe_slots(x, n)
+    D, F, E, K = x.D, x.F, x.E, x.K
+    router = n * E * 4 + n * K * (8 + 4 + 4) + n * 4 + (n * E * 4 if x.has_z else 0)
+    idx = 2 * Sk * 8
+    c = 4 if path == "fp32" else 2
+    rows = 2 * Sk * D * c + Sk * 4 * F * c + S * D * c
+    if x.ep > 1:  # received rows are permuted into expert order and back: index_copy keeps one more [R, D]
+        rows += Sk * D * c
+    if path == "autocast":
+        rows += Sk * D * c + n * K * c + n * D * 4  # each expert casts its rows twice (w1, w3); fp32 router input
+    elif path == "mp":
+        rows += n * D * 4 + E * D * 4 + n * K * c  # the router's fp32 upcasts of its input and weight
+    return router + idx + rows
+
+
+def _moe_mm(x: _Layout, n: int, c: int) -> int:
+    _, Sk = _moe_slots(x, n)
+    return n * x.E * 4 + Sk * (2 * x.F + x.D) * c

@@ -1,0 +1,202 @@
+"""The per-rank peak for the estimator: the largest of a few moments of the step (loss and LM-head backward,
+block backwards, the optimizer step; with a pipeline at the schedule's fullest backward starts), each split into
+memory.py's components.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+from curry_train.estimator.acts import _acts
+from curry_train.estimator.layout import _block_tensors, _Layout
+from curry_train.estimator.pipeline import _PipeState, pipe_states, stage_ids
+from curry_train.estimator.states import _states
+
+# Implementation facts this estimator encodes (change them here when the template changes).
+# pipeline.py calls schedule.step(return_outputs=False): a micro-batch's logits live only from its forward to its
+# backward (the stage's fwd_cache), not in output_chunks for the whole step
+PP_KEEPS_OUTPUTS = False
+# parallelize._grad_sync_fn: FSDP reduce-scatters on every micro-step (sharded grads accumulate), but a pipeline
+# schedule turns sync off for all but the last micro-batch, so FSDP under PP keeps unsharded fp32 accumulators
+FSDP_ACCUMULATES_UNSHARDED_UNDER_PP = True
+
+
+def _data_bytes(x: _Layout) -> int:
+    """Token ids alive for the whole step: every rank builds the whole global batch (inputs and targets,
+    data.global_batch) and its positions; a pipeline also concatenates its micro-batches (pipeline.py)."""
+    T = x.s // x.cp
+    out = 2 * x.gb * x.s * 8 + T * 8
+    if x.pp > 1:
+        out += 2 * x.m * x.b * T * 8  # the torch.cat of every micro-batch's x and y (the schedule slices views)
+    return out
+
+
+@lru_cache(maxsize=8192)
+def _peak(x: _Layout, pp_rank: int) -> _Peak:
+    """The peak of one pipeline rank: the largest of a few moments of the step, each split into the components
+    memory.py measures (bench folds param copies into params, DDP buckets / FSDP unsharded gradients into
+    grads). Moments: the loss backward, the LM head's backward, the backward of the last and of the first
+    block (at the SwiGLU product's gradient or in RMSNorm's backward), the optimizer step. With a pipeline they
+    are evaluated at the backward starts where the most micro-batches are in flight (pipe_states)."""
+    stages = stage_ids(x, pp_rank)
+    st = _states(x, stages)
+    a = _acts(x)
+    n_stages = x.pp * x.v
+    per_stage = x.L // n_stages
+    has_embed, has_head = 0 in stages, n_stages - 1 in stages
+    head_chunk = stages.index(n_stages - 1) if has_head else -1
+    m = x.m
+    fsdp, zero3 = x.fsdp, x.fsdp and x.zero == 3
+    fsdp_accum = fsdp and x.pp > 1 and FSDP_ACCUMULATES_UNSHARDED_UNDER_PP
+    cb = 2 if x.path == "mp" else 4
+    buffers = 2 * x.s * (x.Dh // 2) * 4 * len(stages)  # RoPE tables: persistent module buffers
+    data = _data_bytes(x)
+    other0 = buffers
+    detail: dict[str, int] = {"rope_buffers": buffers}
+    if x.pp > 1:
+        # torch.distributed.pipelining allocates one receive buffer per micro-batch per stage: activations
+        # into every non-first stage, gradients into every non-last stage.
+        recv = sum((m if s_ != 0 else 0) + (m if s_ != n_stages - 1 else 0) for s_ in stages) * a.stream
+        detail["pp_recv_buffers"] = recv
+        other0 += recv
+    tp_embed = 4 * (x.V - x.V // x.tp) * x.D if (x.tp > 1 and has_embed) else 0  # full-size embedding grad
+    rec = a.layer_full - a.layer_saved if x.recompute != "none" else 0
+    if x.recompute == "selective":
+        # SAC keeps one of its cached [n, D] matmul outputs until the block's backward ends (measured)
+        rec += x.b * (x.s // x.cp) * x.D * (4 if x.path == "fp32" else 2)
+    blk_local = sum(d0 * r_ for d0, r_, _, _ in _block_tensors(x))
+    w2 = x.D * (x.F // x.tp) if not x.E else (x.E // x.ep) * x.F * x.D
+    gb_ = cb if fsdp else 4
+    vd = (x.V // x.tp) * x.D + x.D
+
+    if x.pp > 1:
+        states = pipe_states(x, pp_rank)
+    else:
+        states = [_PipeState((1,), 1.0 if m > 1 else 0.0, m, 0)]
+    moments: list[tuple[str, int, int, int, int, dict[str, int]]] = []  # phase, params+, grads, acts, other
+    for ps in states:
+        held = ps.held
+        k_total = sum(held)
+        # forward-created tensors of every in-flight micro-batch
+        acts = sum(k * (per_stage * a.layer_saved + a.rope) for k in held) + data
+        if has_embed:  # (a pipeline's ids are views of the concatenated batch: only TP's masks are new)
+            acts += held[stages.index(0)] * (a.embed - (x.b * (x.s // x.cp) * 8 if x.pp > 1 else 0))
+        if x.pp > 1:  # a stage's output stays in the schedule's fwd_cache until its backward (+1, measured)
+            outs = sum(k for ci, k in enumerate(held) if stages[ci] != n_stages - 1)
+            acts += (outs + (1 if outs else 0)) * a.stream
+        # autocast caches its weight casts for the whole `with autocast()` region: one set per micro-batch
+        # (train.forward_backward), or one for the whole pipeline step (all micro-batches inside one region)
+        pcopies = (len(stages) if x.pp > 1 else k_total) * per_stage * a.pcopy_layer + (a.pcopy_head if has_head
+                                                                                      else 0)
+        if has_head and x.pp > 1:
+            k_head = held[head_chunk]
+            logits_alive = (ps.head_fwds if PP_KEEPS_OUTPUTS else k_head) * a.logits
+            head_acts = acts + k_head * (a.head + a.lsm) + logits_alive  # targets: views of the batch
+        else:
+            logits_alive = a.logits if has_head else 0
+            head_acts = acts + a.head + a.lsm + a.targets + logits_alive
+        # gradients alive when this backward starts
+        if fsdp_accum:
+            grads_prev = int(ps.grads * (4 * st.n_local + tp_embed))
+        else:  # DDP / ZeRO-1 .grad, or FSDP's sharded grads (reduce-scattered every micro-step)
+            grads_prev = int(ps.grads * st.grads_full)
+        grads_prev += st.ddp_buckets
+        # New gradients are fresh tensors until the first backward has run (then autograd adds into .grad in
+        # place), except under FSDP: each micro-step's unsharded grads are new (reduce-scattered away, or, under
+        # mixed precision, folded into the fp32 accumulator only at the unit's post-backward).
+        fresh = ps.grads < 1 or (fsdp and (not fsdp_accum or x.path == "mp"))
+        gathered_fwd = st.all_units if (fsdp and not zero3) else 0  # zero 2 keeps every unit (root included)
+
+        if has_head and ps.chunk == head_chunk:
+            # the loss backward: log_softmax's gradient next to the nll gradient (two fp32 [n, V/tp]); under
+            # TP's loss_parallel: the nll gradient, exp(log_softmax) and their sum, plus index masks
+            loss_grads = 3 * a.lsm + 4 * a.targets if x.tp > 1 and not x.E else 2 * a.lsm
+            moments.append(("loss backward", pcopies + gathered_fwd, grads_prev, head_acts, other0 + loss_grads,
+                            {"loss_grads": loss_grads}))
+            # the LM head's backward: d(logits), dW_out, d(head input); zero 3 re-gathers the root and
+            # prefetches the last block (its flat all-gather output waits in a staging buffer)
+            w_out = gb_ * (x.V // x.tp) * x.D
+            p2, o2 = pcopies + gathered_fwd, other0 + a.grad_logits + a.dy_head + w_out
+            if zero3:
+                p2 += st.root_unit
+                o2 += st.unit_max
+            moments.append(("LM head backward", p2, grads_prev, head_acts - a.lsm, o2,
+                            {"head_grads": a.grad_logits + a.dy_head + w_out}))
+        # the backward of the chunk's last block. New gradients of the head and of w2 are fresh tensors until
+        # the first backward has run; then autograd adds into .grad in place, except FSDP mixed precision,
+        # whose bf16 unsharded grads join the fp32 accumulator only at the unit's post-backward.
+        head_grads = gb_ * vd if has_head and ps.chunk == head_chunk and fresh else 0
+        g3 = grads_prev + head_grads + (gb_ * w2 if fresh else 0)
+        p3 = pcopies + ((st.all_units if not zero3 else st.root_unit + st.unit_max) if fsdp else 0)
+        o3 = other0 + a.d_stream + (st.unit_max if zero3 else 0)  # + the prefetched block's staging buffer
+        acts3 = acts + logits_alive + rec
+        if x.pp > 1 and x.schedule == "zero_bubble":
+            # input-backward (I) retains the graph for the weight-backward (W): nothing is freed, and every
+            # linear's output gradient of the chunk is kept for W
+            o3 += per_stage * a.lin_out_grads
+            if has_head and ps.chunk == head_chunk:  # the loss part of the graph is retained too
+                acts_i, o_i = head_acts + rec, o3 + a.grad_logits
+            else:
+                acts_i, o_i = acts3, o3
+            moments.append(("input backward (zero bubble)", p3, g3, acts_i, o_i + 5 * a.stream, {}))
+        moments.append(("block backward (SwiGLU)", p3, g3, acts3 - a.prod, o3 + a.ffn_bwd, {}))
+        moments.append(("block backward (norm)", p3, g3, acts3 - a.ffn_saved, o3 + 5 * a.stream, {}))
+        if x.cp > 1:  # inside ring attention's backward (its fp32 working set, see _ring_backward)
+            g_attn = g3 + (gb_ * blk_local - gb_ * w2 if fresh and not x.E else 0)
+            moments.append(("ring attention backward", p3, g_attn, acts3 - a.ffn_saved - a.post_attn,
+                            o3 + a.ring_bwd, {}))
+
+    # the step's last block backward (first layer of the first chunk): gradients are nearly all there; with
+    # full recompute or small batches this is where the peak is
+    acc = m > 1 or x.pp > 1
+    logits_end = (m if (has_head and x.pp > 1 and PP_KEEPS_OUTPUTS) else (1 if has_head and x.pp == 1 else 0))
+    if fsdp:
+        blk_shard = st.n_stored - st.root_stored
+        root_local = st.n_local - blk_local * per_stage * len(stages)
+        g4 = 4 * (blk_shard - blk_shard // max(per_stage * len(stages), 1))  # reduced blocks: sharded grads
+        if fsdp_accum:
+            g4 += 4 * (root_local + blk_local)  # accumulators of the root and of this block
+            if x.path == "mp":
+                g4 += cb * (root_local + w2)
+        else:
+            if m > 1:  # sharded grads of this block and the root from the earlier micro-steps
+                g4 += 4 * (st.n_stored - (blk_shard - blk_shard // max(per_stage * len(stages), 1)))
+            g4 += cb * (root_local - ((x.V // x.tp) * x.D if has_embed else 0) + w2)
+        p4, o4 = st.root_unit + st.unit_max, st.rs_buffer
+    else:
+        embed_grad = 4 * x.V * x.D if (has_embed and x.tp > 1) else (4 * (x.V // x.tp) * x.D if has_embed else 0)
+        g4 = (st.grads_full if acc else st.grads_full - 4 * blk_local - embed_grad + 4 * w2) + st.ddp_buckets
+        p4, o4 = 0, 0
+    acts4 = data + a.rope + (a.embed if has_embed else 0) + a.layer_saved + rec + logits_end * a.logits - a.prod
+    if x.pp > 1 and min(stages) != n_stages - 1:
+        acts4 += a.stream
+    moments.append(("block backward (first)", p4 + a.pcopy_layer, g4, acts4, other0 + a.d_stream + a.ffn_bwd + o4,
+                    {}))
+    # the optimizer step (AdamW temporaries); a pipeline's last stage holds the logits step() kept, if it keeps them
+    moments.append(("optimizer step", 0, st.grads_full + st.ddp_buckets,
+                    m * a.logits if (has_head and x.pp > 1 and PP_KEEPS_OUTPUTS) else 0,
+                    other0 + st.step_transient, {"adamw_step": st.step_transient}))
+
+    phase, p_extra, grads, acts_, other, extra = max(moments, key=lambda q: q[1] + q[2] + q[3] + q[4])
+    d = {**detail, **{k: v for k, v in extra.items() if v}}
+    if st.ddp_buckets:
+        d["ddp_buckets"] = st.ddp_buckets
+    if p_extra:
+        d["param_copies"] = p_extra
+    return _Peak(st.params + p_extra, grads, st.opt, acts_, other, phase, d)
+
+
+@dataclass(frozen=True)
+class _Peak:
+    params: int
+    grads: int
+    optimizer: int
+    activations: int
+    other: int
+    phase: str
+    detail: dict
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer + self.activations + self.other

@@ -1,0 +1,108 @@
+"""Model states of one pipeline rank for the estimator: fp32 params, gradients, AdamW state and the buffers
+around them (DDP buckets, ZeroRedundancyOptimizer's greedy partition, FSDP2's padded shards and gathered units).
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+from functools import lru_cache
+
+from curry_train.estimator.layout import _block_tensors, _Layout, _root_tensors, _Tensor
+
+
+@lru_cache(maxsize=4096)
+def _zero1_max_share(numels: tuple[int, ...], local: tuple[int, ...], world: int) -> int:
+    """Largest per-rank sum of `local` sizes under ZeroRedundancyOptimizer's partition: parameters sorted by
+    (global) numel, largest first, each to the rank with the smallest total so far (first such rank)."""
+    order = sorted(range(len(numels)), key=lambda i: numels[i], reverse=True)
+    heap = [(0, r) for r in range(world)]
+    owned = [0] * world
+    for i in order:
+        size, r = heapq.heappop(heap)
+        owned[r] += local[i]
+        heapq.heappush(heap, (size + numels[i], r))
+    return max(owned)
+
+
+@dataclass
+class _States:
+    params: int
+    grads_full: int  # grads at the end of the backward that syncs (what the optimizer sees)
+    opt: int
+    ddp_buckets: int
+    unit_max: int  # largest gathered FSDP unit (compute bytes), blocks only
+    root_unit: int  # gathered root unit (compute bytes)
+    all_units: int  # every unit of this rank gathered (compute bytes)
+    rs_buffer: int  # one reduce-scatter input (fp32) of the largest unit
+    step_transient: int  # AdamW step temporaries
+    n_local: int  # parameters stored (after TP/PP/EP, before FSDP)
+    n_stored: int  # parameters stored (after FSDP)
+    largest_tensor: int
+    root_stored: int = 0  # of which the root unit's (embedding, final norm, head)
+
+
+def _states(x: _Layout, stages: list[int]) -> _States:
+    return _states_cached(x, tuple(stages))
+
+
+@lru_cache(maxsize=8192)
+def _states_cached(x: _Layout, stages: tuple[int, ...]) -> _States:
+    """Parameters, gradients and AdamW state of one pipeline rank (blocks are identical: sums per block)."""
+    n_stages = x.pp * x.v
+    n_blocks = (x.L // n_stages) * len(stages)
+    blk = _block_tensors(x)
+    root = _root_tensors(x, 0 in stages, n_stages - 1 in stages)
+    blk_local = sum(d0 * r for d0, r, _, _ in blk)
+    root_local = sum(d0 * r for d0, r, _, _ in root)
+    n_local = n_blocks * blk_local + root_local
+    n_tensors = n_blocks * len(blk) + len(root)
+    cbytes = 2 if x.path == "mp" else 4
+    edp = (x.dp // x.ep) * x.cp
+
+    def group(tn: _Tensor) -> int:
+        return edp if (tn[3] == "expert" and x.ep > 1) else x.dpcp
+
+    def shard(tn: _Tensor) -> int:  # FSDP2: dim 0 split in ceil(d0 / d) rows, rank 0 holds the most
+        return -(-tn[0] // group(tn)) * tn[1]
+
+    step_bytes = 4 if x.device == "cpu" else 0
+    if x.fsdp:
+        blk_shard, root_shard = sum(shard(tn) for tn in blk), sum(shard(tn) for tn in root)
+        stored = n_blocks * blk_shard + root_shard
+        unit = sum(shard(tn) * group(tn) for tn in blk)  # padded unsharded block (experts nested: same sum)
+        root_sz = sum(shard(tn) * group(tn) for tn in root)
+        largest = max([shard(tn) for tn in blk + root], default=0)
+        return _States(params=4 * stored, grads_full=4 * stored, opt=8 * stored +
+                       step_bytes * n_tensors, ddp_buckets=0, unit_max=cbytes * unit, root_unit=cbytes * root_sz,
+                       all_units=cbytes * (n_blocks * unit + root_sz), rs_buffer=4 * unit,
+                       step_transient=_step_transient(x, 4 * largest, 4 * stored), n_local=n_local,
+                       n_stored=stored, largest_tensor=largest, root_stored=root_shard)
+    if x.zero == 1 and x.dpcp > 1:
+        every = blk * n_blocks + root
+        owned = _zero1_max_share(tuple(g if r > 1 else d0 for d0, r, g, _ in every),
+                                 tuple(d0 * r for d0, r, _, _ in every), x.dpcp)
+        opt = 8 * owned + step_bytes * -(-n_tensors // x.dpcp)
+        owned_bytes = 4 * owned
+    else:
+        opt = 8 * n_local + step_bytes * n_tensors
+        owned_bytes = 4 * n_local
+    ddp_params = n_local
+    if x.E and x.ep > 1:  # expert shards are on DDP's ignore list (synced by expert_parallel.sync_expert_grads)
+        ddp_params -= n_blocks * sum(d0 * r for d0, r, _, k in blk if k == "expert")
+    largest = max([d0 * r for d0, r, _, _ in blk + root], default=0)
+    grads = 4 * n_local
+    if x.tp > 1 and 0 in stages:
+        # The vocab-parallel embedding's gradient comes back as a full [V, D] local tensor (measured, torch
+        # 2.13 RowwiseParallel on nn.Embedding), not the [V/tp, D] shard the parameter is.
+        grads += 4 * (x.V - x.V // x.tp) * x.D
+    return _States(params=4 * n_local, grads_full=grads, opt=opt,
+                   ddp_buckets=4 * ddp_params if x.ddp else 0, unit_max=0, root_unit=0, all_units=0, rs_buffer=0,
+                   step_transient=_step_transient(x, 4 * largest, owned_bytes),
+                   n_local=n_local, n_stored=n_local, largest_tensor=largest)
+
+
+def _step_transient(x: _Layout, largest_bytes: int, owned_bytes: int) -> int:
+    """AdamW step temporaries: the CPU default (foreach=False) makes sqrt(v) and its quotient for one tensor at
+    a time; CUDA's foreach path materialises sqrt(v) for every owned tensor at once (+4 B/param)."""
+    return 2 * largest_bytes if x.device == "cpu" else owned_bytes

@@ -1,0 +1,1 @@
+"""Measurement on this machine: step benchmark, exact memory accounting, hardware probe, launch services."""

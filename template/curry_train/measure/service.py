@@ -1,0 +1,93 @@
+"""The operations the CLI and the MCP tools share: resolve a config, launch through torchrun, record the run.
+
+Every function takes a config *name* (or, from the CLI, a YAML path) plus dotted overrides, validates before any
+process starts (ConfigError -> nothing launched, nothing recorded), and records the run in the ledger.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+from curry_train.config import Config, load_config
+from curry_train.paths import resolve_config_arg
+from curry_train.store.runs import Ledger, RunRecord
+
+
+def resolve(config: str, overrides: dict[str, Any] | None = None, root: str | Path | None = None) -> tuple[Config, str]:
+    """(validated config, config name) for a name in configs/ or a YAML path; raises ConfigError / FileNotFoundError."""
+    path = resolve_config_arg(config, root)
+    if not path.is_file():
+        from curry_train.paths import configs_dir
+
+        names = sorted(p.stem for p in configs_dir(root).glob("*.yaml"))
+        raise FileNotFoundError(f"no config {config!r}; available: {', '.join(names) or '(none)'}")
+    return load_config(path, overrides), path.stem
+
+
+def train(config: str, overrides: dict[str, Any] | None = None, *, root: str | Path | None = None,
+          timeout: float = 1800.0, cancel: threading.Event | None = None) -> RunRecord:
+    """Train cfg.train.steps steps on world_size ranks through torchrun; returns the finished run record."""
+    from curry_train.train.launch import LaunchError, run_torchrun
+
+    cfg, name = resolve(config, overrides, root)
+    ledger = Ledger(root)
+    rec = ledger.start("train", cfg, name)
+    run_path = Path(ledger.path.parent / rec.run_id)
+    try:
+        values = run_torchrun({"kind": "train", "config": cfg.to_dict()}, cfg.world_size, run_path,
+                              timeout=timeout, cancel=cancel)
+    except LaunchError as e:
+        ledger.finish(rec.run_id, status="cancelled" if "cancelled" in str(e) else "failed", error=str(e)[:4000])
+        raise
+    out = values[0]
+    metrics = {
+        "losses": out["losses"], "first_loss": out["losses"][0], "last_loss": out["losses"][-1],
+        "step_time_s": sorted(out["step_time_s"])[len(out["step_time_s"]) // 2],
+        "tokens_per_s": sorted(out["tokens_per_s"])[len(out["tokens_per_s"]) // 2],
+        "world_size": out["world_size"], "device": out["device"],
+    }
+    return ledger.finish(rec.run_id, status="ok", metrics=metrics)
+
+
+def whitebox(config: str, overrides: dict[str, Any] | None = None, *, steps: int = 1,
+             root: str | Path | None = None, timeout: float = 900.0, cancel: threading.Event | None = None,
+             break_grad_sync: list[str] | None = None):
+    """Parallel run vs single-device reference; returns the Verdict (with run_id), recorded in the ledger."""
+    from curry_train.train.launch import LaunchError
+    from curry_train.validation.whitebox import run_whitebox
+
+    cfg, name = resolve(config, overrides, root)
+    ledger = Ledger(root)
+    rec = ledger.start("whitebox", cfg, name)
+    try:
+        verdict = run_whitebox(cfg, steps=steps, run_dir=ledger.path.parent / rec.run_id, timeout=timeout,
+                               cancel=cancel, break_grad_sync=break_grad_sync)
+    except LaunchError as e:
+        ledger.finish(rec.run_id, status="cancelled" if "cancelled" in str(e) else "failed", error=str(e)[:4000])
+        raise
+    verdict.run_id = rec.run_id
+    verdict.config_overrides = dict(overrides or {})
+    ledger.finish(rec.run_id, status="ok" if verdict.passed else "failed", metrics=verdict.model_dump(mode="json"))
+    return verdict
+
+
+def selftest(config: str = "tiny", *, nproc: int = 2, fault: str | None = None, fault_rank: int = 0,
+             root: str | Path | None = None, timeout: float = 120.0,
+             cancel: threading.Event | None = None) -> RunRecord:
+    """The launcher self-test (jobs.selftest_job) through torchrun, recorded like a bench: one all-reduce, then the
+    injected `fault` (raise | hang | exit | oom | stubborn) on `fault_rank`. The fault tests (tests/reliability)
+    drive the path every long tool takes - worker, torchrun, ranks, ledger - without building a model."""
+    from curry_train.train.launch import LaunchError, run_torchrun
+
+    cfg, name = resolve(config, None, root)
+    ledger = Ledger(root)
+    rec = ledger.start("selftest", cfg, name)
+    spec = {"kind": "selftest", "fault": fault, "fault_rank": fault_rank}
+    try:
+        values = run_torchrun(spec, nproc, ledger.path.parent / rec.run_id, timeout=timeout, cancel=cancel)
+    except LaunchError as e:
+        ledger.finish(rec.run_id, status="cancelled" if "cancelled" in str(e) else "failed", error=str(e)[:4000])
+        raise
+    return ledger.finish(rec.run_id, status="ok", metrics={"ranks": values})

@@ -1,0 +1,181 @@
+"""GPT decoder: token embedding, RoPE, RMSNorm, causal SDPA attention with GQA, SwiGLU MLP (or MoE FFN), untied head.
+
+    python -c "from curry_train.model.gpt import build_model; from curry_train.config import Config; print(build_model(Config()))"
+
+Shape legend: B batch (micro-batch), T sequence (local), D d_model, H query heads, G kv heads (H % G == 0),
+Dh head dim = D / H, F d_ff, V vocab. Under TP the local H, G, F and V are divided by tp; reshapes use -1 heads.
+
+Parameter names are the contract with the white-box comparison: every parallel layout maps its gradients back to
+these names (`tok_embeddings.weight`, `layers.<i>.attention.wq.weight`, ..., `output.weight`). `layers` is a
+ModuleDict keyed by the global layer index, so a pipeline stage that keeps a subset keeps the same names.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from curry_train.config import Config, ModelConfig
+
+
+class RMSNorm(nn.Module):
+    """Zhang & Sennrich 2019; normalises in fp32 so bf16 compute keeps a stable denominator."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return xf.type_as(x) * self.weight
+
+
+def rope_tables(head_dim: int, max_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables [max_len, Dh/2] (Su et al. 2021, RoFormer §3.4)."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    angles = torch.outer(torch.arange(max_len, dtype=torch.float64), inv_freq)  # [max_len, Dh/2]
+    return angles.cos().float(), angles.sin().float()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, H, T, Dh]; cos/sin [T, Dh/2] for the tokens' *global* positions (CP chunks are not contiguous)."""
+    x1, x2 = x.float().chunk(2, dim=-1)  # rotate-half convention: pairs (i, i + Dh/2)
+    out = torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+    return out.type_as(x)
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """q [B, H, T, Dh], k/v [B, G, T, Dh] -> [B, H, T, Dh]. Context parallel swaps this for ring attention."""
+    n_rep = q.shape[1] // k.shape[1]
+    if n_rep > 1:  # GQA: each kv head serves n_rep consecutive query heads
+        k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+class Attention(nn.Module):
+    def __init__(self, m: ModelConfig):
+        super().__init__()
+        self.head_dim = m.d_model // m.n_heads
+        self.wq = nn.Linear(m.d_model, m.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(m.d_model, m.n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(m.d_model, m.n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(m.n_heads * self.head_dim, m.d_model, bias=False)
+        self.core_attention = causal_attention  # replaced by apply_cp with ring attention
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        q = self.wq(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # [B, H, T, Dh]
+        k = self.wk(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # [B, G, T, Dh]
+        v = self.wv(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # [B, G, T, Dh]
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        y = self.core_attention(q, k, v)  # [B, H, T, Dh]
+        return self.wo(y.transpose(1, 2).reshape(B, T, -1))  # [B, T, D]
+
+
+class FeedForward(nn.Module):
+    """SwiGLU (Shazeer 2020): w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, d_model: int, d_ff: int):
+        super().__init__()
+        self.w1 = nn.Linear(d_model, d_ff, bias=False)  # gate
+        self.w3 = nn.Linear(d_model, d_ff, bias=False)  # up
+        self.w2 = nn.Linear(d_ff, d_model, bias=False)  # down
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))  # [B, T, F] -> [B, T, D]
+
+
+class Block(nn.Module):
+    def __init__(self, m: ModelConfig):
+        super().__init__()
+        self.attention_norm = RMSNorm(m.d_model, m.norm_eps)
+        self.attention = Attention(m)
+        self.ffn_norm = RMSNorm(m.d_model, m.norm_eps)
+        if m.num_experts > 0:
+            from curry_train.model.moe import MoE  # the MoE FFN slot
+
+            self.feed_forward: nn.Module = MoE(m)
+        else:
+            self.feed_forward = FeedForward(m.d_model, m.d_ff)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    """The full model, or a pipeline stage of it: a stage sets the parts it does not own to None."""
+
+    def __init__(self, cfg: Config):
+        super().__init__()
+        m = cfg.model
+        self.model_args = m
+        self.tok_embeddings: nn.Embedding | None = nn.Embedding(m.vocab_size, m.d_model)
+        self.layers = nn.ModuleDict({str(i): Block(m) for i in range(m.n_layers)})
+        self.norm: RMSNorm | None = RMSNorm(m.d_model, m.norm_eps)
+        self.output: nn.Linear | None = nn.Linear(m.d_model, m.vocab_size, bias=False)
+        cos, sin = rope_tables(m.d_model // m.n_heads, cfg.train.seq_len, m.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)  # [T_max, Dh/2]
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens [B, T] ids (or [B, T, D] hidden states on a later pipeline stage) -> logits [B, T, V] or hidden.
+
+        `positions` [T] are the global positions of the local tokens (context parallel); default 0..T-1.
+        """
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens  # [B, T, D]
+        if positions is None:
+            positions = torch.arange(h.shape[1], device=h.device)
+        cos, sin = self.rope_cos[positions], self.rope_sin[positions]  # [T, Dh/2]
+        for layer in self.layers.values():
+            h = layer(h, cos, sin)
+        h = self.norm(h) if self.norm is not None else h
+        return self.output(h) if self.output is not None else h
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross entropy over the micro-batch; logits [B, T, V] (fp32 for the softmax), targets [B, T]."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def aux_loss(model: nn.Module) -> torch.Tensor | None:
+    """Sum of the auxiliary losses (MoE load balance, z-loss) the last forward left on its modules."""
+    terms = [m.aux_loss for m in model.modules() if getattr(m, "aux_loss", None) is not None]
+    return torch.stack(terms).sum() if terms else None
+
+
+def _std(name: str, m: ModelConfig) -> float | None:
+    if name.endswith("norm.weight"):
+        return None  # ones
+    if name.endswith(("wo.weight", "w2.weight", "w2")):
+        return 0.02 / math.sqrt(2 * m.n_layers)  # GPT-2 residual scaling (Radford et al. 2019, §2.3)
+    return 0.02
+
+
+@torch.no_grad()
+def init_weights(model: nn.Module, m: ModelConfig, seed: int) -> None:
+    """Each parameter from its own generator seeded by (seed, name): identical for any layout or subset."""
+    for name, p in model.named_parameters():
+        std = _std(name, m)
+        if std is None:
+            p.fill_(1.0)
+            continue
+        g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+        p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float32) * std)
+
+
+def build_model(cfg: Config) -> Transformer:
+    """The full fp32 model on CPU, initialised from the seed only (the reference and every rank start here)."""
+    model = Transformer(cfg)
+    init_weights(model, cfg.model, cfg.train.seed)
+    return model
+
+
+def count_params(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())

@@ -1,0 +1,184 @@
+"""Mixture-of-experts FFN: a softmax top-k router and batched SwiGLU experts, dispatched by expert id.
+
+    .venv/bin/pytest tests/parallel/test_moe.py
+
+Shape legend: N local tokens (B*T), D d_model, F d_ff per expert, E experts, El experts on this rank (E / ep),
+K top-k, S = N*K routing slots (slot n*K + k = token n's k-th choice), C capacity per expert, R rows received.
+
+One code path for every layout: expert parallelism (parallel/expert_parallel.py) only sets `ep_group`, keeps
+this rank's El experts, and the dispatch below turns into two all-to-alls (comms.all_to_all is the identity
+on one rank). Routing, capacity and the auxiliary losses always use this rank's own N tokens ("source side"),
+so the single-device reference, which replays each data-parallel rank's micro-batches one at a time, applies
+exactly the same rule to exactly the same tokens.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from curry_train.config import ModelConfig
+from curry_train.parallel import comms
+
+
+@dataclass
+class Routing:
+    experts: torch.Tensor  # [N, K] int64 expert id of each slot
+    weights: torch.Tensor  # [N, K] fp32 gate, renormalised over the K choices
+    keep: torch.Tensor  # [N, K] bool: slot within its expert's capacity
+    aux_loss: torch.Tensor | None  # scalar: coef * load-balance + z_coef * z-loss
+
+
+def capacity(num_tokens: int, m: ModelConfig) -> int | None:
+    """Switch Transformer capacity (Fedus et al. 2021, §2.2): ceil(cf * N * K / E) slots per expert; None = no drop."""
+    if m.capacity_factor <= 0:
+        return None
+    return math.ceil(m.capacity_factor * num_tokens * m.top_k / m.num_experts)
+
+
+def capacity_keep(experts: torch.Tensor, num_experts: int, cap: int | None) -> torch.Tensor:
+    """Deterministic dropping: each expert keeps its first `cap` slots in priority order (all first choices in
+    token order, then all second choices, ...; GShard, Lepikhin et al. 2020, Alg. 1). experts [N, K] -> [N, K]."""
+    if cap is None:
+        return torch.ones_like(experts, dtype=torch.bool)
+    slot_major = experts.t().reshape(-1)  # [K*N] priority order
+    onehot = F.one_hot(slot_major, num_experts)  # [K*N, E]
+    position = ((onehot.cumsum(0) - 1) * onehot).sum(-1)  # [K*N] rank of the slot within its expert
+    return (position < cap).view(experts.shape[1], experts.shape[0]).t()  # [N, K]
+
+
+class TopKRouter(nn.Module):
+    """Softmax over E logits, top-k, gates renormalised to sum to 1 (Mixtral, Jiang et al. 2024, §2.1).
+
+    Runs in fp32 even under bf16 autocast ("selective precision", Fedus et al. 2021 §2.4): the softmax and the
+    top-k choice are where rounding changes which expert a token goes to.
+    """
+
+    def __init__(self, m: ModelConfig):
+        super().__init__()
+        self.m = m
+        self.gate = nn.Linear(m.d_model, m.num_experts, bias=False)  # weight [E, D]
+        self.stats_group: Any = None  # set by apply_cp: ranks holding other tokens of the same sequences
+
+    def forward(self, x: torch.Tensor) -> Routing:  # x [N, D]
+        m = self.m
+        dtype = torch.promote_types(x.dtype, torch.float32)  # at least fp32
+        with torch.autocast(x.device.type, enabled=False):
+            logits = F.linear(x.to(dtype), self.gate.weight.to(dtype))  # [N, E]
+        probs = logits.softmax(-1)  # [N, E]
+        top_p, top_e = probs.topk(m.top_k, dim=-1)  # [N, K]
+        weights = top_p / top_p.sum(-1, keepdim=True)
+        keep = capacity_keep(top_e, m.num_experts, capacity(x.shape[0], m))
+        aux = None
+        if m.aux_loss_coef > 0:
+            # Switch load balance (Fedus et al. 2021, eq. 4-6, top-k form as in GShard): E * sum_e f_e * P_e,
+            # f_e = share of the N*K routing slots that chose e (not differentiable), P_e = mean router prob.
+            # Under CP f counts the whole sequences (summed over stats_group); the loss is then linear in the
+            # local P, so the dp x cp gradient mean of the per-rank losses is the full-sequence loss's gradient.
+            counts = torch.bincount(top_e.flatten(), minlength=m.num_experts).float()  # [E]
+            f = comms.all_reduce_sum_(counts, self.stats_group) / counts.sum()
+            aux = m.aux_loss_coef * m.num_experts * (f * probs.mean(0)).sum()
+        if m.z_loss_coef > 0:  # ST-MoE router z-loss (Zoph et al. 2022, eq. 5): mean logsumexp^2
+            z = m.z_loss_coef * torch.logsumexp(logits, -1).pow(2).mean()
+            aux = z if aux is None else aux + z
+        return Routing(experts=top_e, weights=weights, keep=keep, aux_loss=aux)
+
+
+class Experts(nn.Module):
+    """El SwiGLU experts as stacked weights (w1/w3 [El, D, F] gate/up, w2 [El, F, D] down), applied to row
+    groups: one GEMM per expert over its contiguous rows (a grouped GEMM; no padding to capacity)."""
+
+    def __init__(self, num_experts: int, d_model: int, d_ff: int):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(num_experts, d_model, d_ff))
+        self.w3 = nn.Parameter(torch.empty(num_experts, d_model, d_ff))
+        self.w2 = nn.Parameter(torch.empty(num_experts, d_ff, d_model))
+
+    def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """x [R, D] grouped by local expert, counts[e] rows for expert e -> [R, D]. Every expert runs, even on 0
+        rows, so every rank's autograd graph (and hence its gradient-reduction sequence) has the same shape."""
+        outs = [(F.silu(xe @ self.w1[e]) * (xe @ self.w3[e])) @ self.w2[e] for e, xe in enumerate(x.split(counts))]
+        return torch.cat(outs)  # [R, D]
+
+
+class MoE(nn.Module):
+    """The FFN slot of a block when num_experts > 0: router -> dispatch -> experts -> combine.
+
+    After each forward: `aux_loss` (added by model.aux_loss), `tokens_per_expert` [E] (kept slots this rank
+    routed), `dropped_slots`, and `tokens_received` [El] (rows each local expert processed: the EP load).
+    """
+
+    def __init__(self, m: ModelConfig):
+        super().__init__()
+        self.m = m
+        self.router = TopKRouter(m)
+        self.experts = Experts(m.num_experts, m.d_model, m.d_ff)
+        self.ep_group: Any = None  # set by apply_ep; None = all experts local
+        self.aux_loss: torch.Tensor | None = None
+        self.tokens_per_expert: torch.Tensor | None = None
+        self.tokens_received: torch.Tensor | None = None
+        self.dropped_slots = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [B, T, D]
+        B, T, D = x.shape
+        K, E = self.m.top_k, self.m.num_experts
+        xf = x.reshape(-1, D)  # [N, D]
+        r = self.router(xf)
+        self.aux_loss = r.aux_loss
+
+        # Dispatch order: kept slots sorted by expert id (stable, so token order within an expert), which is
+        # also destination-rank order because rank j owns experts [j*El, (j+1)*El).
+        flat_e, kept = r.experts.flatten(), r.keep.flatten().nonzero().squeeze(1)  # [S], [S_kept]
+        order = kept[torch.argsort(flat_e[kept], stable=True)]  # [S_kept] slot ids grouped by expert
+        counts = torch.bincount(flat_e[kept], minlength=E)  # [E]
+        self.tokens_per_expert, self.dropped_slots = counts.detach(), int(flat_e.numel() - kept.numel())
+        y_sent = self._run_experts(xf[order // K], counts)  # [S_kept, D], rows in `order`
+
+        # Combine: dropped slots contribute 0 (the residual carries the token, Fedus et al. 2021 §2.2).
+        y_slots = y_sent.new_zeros(flat_e.numel(), D).index_copy(0, order, y_sent)  # [S, D]
+        y = (y_slots.view(-1, K, D) * r.weights.to(y_slots.dtype).unsqueeze(-1)).sum(1)  # [N, D]
+        return y.view(B, T, D)
+
+    def _run_experts(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """x [S_kept, D] grouped by global expert id, counts [E] -> expert outputs in the same row order."""
+        group = self.ep_group
+        ep = comms.group_size(group)
+        El = self.m.num_experts // ep
+        recv_counts = comms.exchange_counts(counts, group).view(ep, El)  # [src rank, local expert]
+        in_splits = counts.view(ep, El).sum(1).tolist()  # rows to each destination rank
+        out_splits = recv_counts.sum(1).tolist()  # rows from each source rank
+        recv = comms.all_to_all(x, out_splits, in_splits, group)  # [R, D] ordered (src, local expert)
+        per_expert = recv_counts.sum(0)  # [El]
+        self.tokens_received = per_expert.detach()
+        if ep == 1:
+            return self.experts(recv, per_expert.tolist())
+        # (src, expert) -> (expert, src) so each expert's rows are contiguous, run, then restore (src, expert).
+        local_e = torch.arange(El, device=x.device).repeat(ep).repeat_interleave(recv_counts.flatten())  # [R]
+        perm = torch.argsort(local_e, stable=True)  # [R]
+        y = self.experts(recv[perm], per_expert.tolist())
+        y = torch.zeros_like(y).index_copy(0, perm, y)  # [R, D] back in (src, expert) order
+        return comms.all_to_all(y, in_splits, out_splits, group)  # [S_kept, D]
+
+
+def moe_layers(model: nn.Module) -> list[tuple[str, MoE]]:
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, MoE)]
+
+
+def expert_load(model: nn.Module) -> dict[str, dict[str, Any]]:
+    """Per-rank diagnostics of the last forward, per MoE layer: slots routed to each expert (all E, from this
+    rank's tokens), slots dropped by capacity, and rows each *local* expert processed (the EP compute load)."""
+    out = {}
+    for name, m in moe_layers(model):
+        if m.tokens_per_expert is None:
+            continue
+        out[name] = {
+            "routed": m.tokens_per_expert.tolist(),
+            "dropped": m.dropped_slots,
+            "received": m.tokens_received.tolist(),
+        }
+    return out

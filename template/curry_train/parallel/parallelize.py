@@ -1,0 +1,158 @@
+"""The ONE composition function: turn the full reference model into this rank's parallel model and optimizer.
+
+Order (fixed; each constraint is explained where it applies, torchtitan-style):
+  1. PP split      - outermost: every later step works on the stage modules this rank keeps.
+  2. TP / SP       - rewrites Linear weights into DTensors on the tp axis; must precede FSDP, which then shards
+                     the *local* TP shards along dp (2-D "_StridedShard" params), never the other way round.
+  3. CP, EP        - swap the attention core for ring attention / shard experts and insert all-to-alls; they
+                     change what a block computes, so they go before recompute wraps the block.
+  4. recompute     - wraps whole blocks after TP/CP/EP so the recomputed region replays their collectives too.
+  5. FSDP or DDP   - last module transform: it must see the final parameter set (ZeRO-2/3 = FSDP2, ZeRO-0/1 = DDP)
+                     over the dp x cp ranks (CP ranks see different tokens, so their grads are averaged like DP's).
+  6. optimizer     - built on the wrapped parameters (FSDP's sharded DTensors); ZeRO-1 shards its state.
+  7. PP schedule   - built last, around the fully wrapped stage modules.
+Size-1 axes skip their step, so a 1-rank run is the plain model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from curry_train.config import Config
+from curry_train.mesh import Topology, dp_cp_mesh
+
+# Wrapper prefixes that DDP / checkpoint_wrapper / torch.compile add to parameter names.
+_WRAPPER_PREFIXES = ("module.", "_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
+
+
+def canonical_name(name: str) -> str:
+    """Map a wrapped parameter name back to the reference model's name."""
+    for prefix in _WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
+
+
+@dataclass
+class Parallelized:
+    """What one rank trains: its model chunks, optimizer and the hooks the training step needs."""
+
+    cfg: Config
+    topo: Topology
+    mesh: Any  # DeviceMesh ("pp", "dp", "cp", "tp"), or None for a single process
+    device: torch.device
+    parts: list[nn.Module]  # model chunks this rank runs: [model] unless pp > 1
+    optimizer: torch.optim.Optimizer | None = None
+    schedule: Any = None  # torch.distributed.pipelining schedule when pp > 1
+    stage_ids: list[int] = field(default_factory=list)  # pipeline stage index of each part
+    loss_parallel: bool = False  # logits are vocab-sharded DTensors: compute the loss under loss_parallel()
+    grad_sync: Callable[[bool], None] = lambda enabled: None  # skip the gradient reduction on accumulation steps
+
+    def loss_context(self) -> AbstractContextManager:
+        if self.loss_parallel:
+            from torch.distributed.tensor.parallel import loss_parallel
+
+            return loss_parallel()
+        return nullcontext()
+
+    def autocast(self) -> AbstractContextManager:
+        """bf16 compute for the layouts FSDP's MixedPrecisionPolicy does not cover (DDP, single process)."""
+        if self.cfg.train.dtype == "bfloat16" and not (self.topo.dp * self.topo.cp > 1 and self.cfg.parallel.zero >= 2):
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return nullcontext()
+
+
+def parallelize(model: nn.Module, mesh: Any, cfg: Config, *, topo: Topology, device: torch.device) -> Parallelized:
+    """Apply every configured primitive to `model` (the full, seeded reference model) in the fixed order above."""
+    p = cfg.parallel
+    model.to(device)
+    par = Parallelized(cfg=cfg, topo=topo, mesh=mesh, device=device, parts=[model], stage_ids=[0])
+
+    # 1. PP split: keep only this rank's stage(s); names stay those of the full model.
+    if topo.pp > 1:
+        from curry_train.parallel.pipeline import apply_pp
+
+        par.parts, par.stage_ids = apply_pp(model, mesh, cfg)
+
+    for i, part in enumerate(par.parts):
+        # 2. TP (+SP) on the tp axis.
+        if topo.tp > 1:
+            from curry_train.parallel.tensor_parallel import apply_tp
+
+            par.loss_parallel = apply_tp(part, mesh, cfg) or par.loss_parallel
+        # 3. CP and EP rewrite blocks.
+        if topo.cp > 1:
+            from curry_train.parallel.context_parallel import apply_cp
+
+            apply_cp(part, mesh, cfg)
+        if cfg.model.num_experts > 0:
+            from curry_train.parallel.expert_parallel import apply_ep
+
+            apply_ep(part, mesh, cfg)  # ep == 1 still registers the replicated-expert gradient handling
+        # 4. recompute.
+        if p.recompute != "none":
+            from curry_train.parallel.recompute import apply_recompute
+
+            apply_recompute(part, mesh, cfg)
+        # 5. data parallel over dp x cp.
+        if topo.dp * topo.cp > 1:
+            if p.zero >= 2:
+                from curry_train.parallel.fsdp import apply_fsdp
+
+                apply_fsdp(part, mesh, cfg)
+            else:
+                from curry_train.parallel.ddp import apply_ddp
+
+                par.parts[i] = apply_ddp(part, mesh, cfg)
+
+    par.grad_sync = _grad_sync_fn(par)
+
+    # 6. optimizer on the final parameters.
+    params = [q for part in par.parts for q in part.parameters()]
+    if p.zero == 1 and topo.dp * topo.cp > 1:
+        from curry_train.parallel.zero import build_zero1_optimizer
+
+        par.optimizer = build_zero1_optimizer(params, mesh, cfg)
+    else:
+        par.optimizer = torch.optim.AdamW(params, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
+
+    # 7. PP schedule around the wrapped stages.
+    if topo.pp > 1:
+        from curry_train.parallel.pipeline import build_schedule
+
+        par.schedule = build_schedule(par)
+    return par
+
+
+def _grad_sync_fn(par: Parallelized) -> Callable[[bool], None]:
+    """Gradient reduction on accumulation micro-steps.
+
+    DDP / ZeRO-1: skip the all-reduce until the last micro-step (require_backward_grad_sync, as nanoGPT does
+    instead of no_sync()): the accumulated full gradient is there anyway, so earlier syncs would be redundant.
+    ZeRO-2/3 (FSDP2): reduce-scatter on *every* micro-step. Skipping it (set_requires_gradient_sync(False)) makes
+    FSDP2 keep each unit's unsharded fp32 gradient across micro-steps, i.e. the full 4 bytes/param per rank that
+    ZeRO-2 exists to remove (Rajbhandari et al. 2019, §5.2: P_g reduce-scatters gradients as they are produced).
+    The extra (m-1) reduce-scatters are the price of keeping gradients sharded. Pipeline schedules manage their
+    stages' sync themselves. A no-op for a single process.
+    """
+
+    def set_sync(enabled: bool) -> None:
+        for part in par.parts:
+            if hasattr(part, "set_requires_gradient_sync"):  # FSDP2 module: always reduce-scatter (see above)
+                continue
+            if hasattr(part, "require_backward_grad_sync"):  # DDP
+                part.require_backward_grad_sync = enabled
+
+    return set_sync
+
+
+def grad_reduce_group(par: Parallelized):
+    """Process group over which per-rank losses are averaged (dp x cp); None for one process."""
+    if par.mesh is None:
+        return None
+    return dp_cp_mesh(par.mesh).get_group()

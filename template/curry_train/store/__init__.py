@@ -1,0 +1,1 @@
+"""What the tools persist: the run ledger and the configs/ store."""

@@ -1,0 +1,1 @@
+"""Training: the loop, the torchrun and forkserver launchers, and the jobs a rank runs."""

@@ -1,0 +1,73 @@
+"""Jobs that run inside every rank, whichever launcher started the ranks (torchrun or the test forkserver).
+
+A job spec is a JSON-able dict: {"kind": <name in JOBS>, "config": <resolved config dict>, ...kind arguments,
+"out_dir": <run folder>}. `rank_job` resolves the kind to "module:function", calls function(spec) and returns
+its JSON-able value; files (tensors) go under spec["out_dir"].
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+# kind -> "module:function(spec) -> JSON-able value"; each feature registers its own kind here.
+JOBS = {
+    "train": "curry_train.train.jobs:train_job",
+    "whitebox": "curry_train.validation.whitebox:parallel_job",
+    "bench": "curry_train.measure.bench:bench_job",
+    "selftest": "curry_train.train.jobs:selftest_job",
+    "memory": "curry_train.measure.memory:memory_job",
+}
+
+
+def train_job(spec: dict[str, Any]) -> dict[str, Any]:
+    from curry_train.config import from_dict
+    from curry_train.train.loop import run_training
+
+    return run_training(from_dict(spec["config"]))
+
+
+def selftest_job(spec: dict[str, Any]) -> dict[str, Any]:
+    """Launcher self-test (tests and `probe`): one collective, then on `spec["fault_rank"]` the fault named by
+    `spec["fault"]`: "raise" an exception, "hang" in a collective the peers never join, "exit" by a signal,
+    "oom" a torch.OutOfMemoryError (what a real allocator failure raises), "stubborn" hang after ignoring SIGTERM
+    (like training code whose checkpoint-on-preemption handler never returns)."""
+    import os
+    import signal
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    fault, here = spec.get("fault"), rank == spec.get("fault_rank", 0)
+    if fault == "raise" and here:
+        raise RuntimeError("selftest: injected failure")
+    if fault == "oom" and here:
+        raise torch.OutOfMemoryError("selftest: injected out of memory (tried to allocate 1.00 TiB)")
+    if fault == "stubborn" and here:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if fault in ("hang", "stubborn"):
+        if here:
+            time.sleep(3600)  # the peers wait in the barrier below until the deadline kills the group
+        dist.barrier()
+    if fault == "exit" and here:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return {"rank": rank, "sum": float(t), "pid": os.getpid()}
+
+
+def rank_job(rank: int, world: int, spec: dict[str, Any]) -> Any:
+    """Entry point for the forkserver launcher (module-level, picklable); torchrun goes through rank_main."""
+    if spec["kind"] not in JOBS:
+        raise ValueError(f"unknown job kind {spec['kind']!r}; known: {sorted(JOBS)}")
+    module, fn = JOBS[spec["kind"]].split(":")
+    return getattr(importlib.import_module(module), fn)(spec)
+
+
+def rank_jobs(rank: int, world: int, specs: list[dict[str, Any]]) -> list[Any]:
+    """Several jobs in one launch (tests): launch cost dominates a tiny job, so batch them."""
+    return [rank_job(rank, world, s) for s in specs]
