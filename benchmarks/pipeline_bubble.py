@@ -11,7 +11,7 @@ every busy period). With v chunks per rank each chunk sleeps t/v, so the work pe
 schedule. Every sleep is timed (busy); idle = step wall - busy, on each rank, after a warm-up step (the first
 step also infers the stage shapes).
 
-Theory (estimation-formulas.md §3), T = t_f + t_b + t_w, p ranks, m micro-batches, v chunks per rank:
+Theory (docs/ESTIMATION.md, pipeline schedules), T = t_f + t_b + t_w, p ranks, m micro-batches, v chunks per rank:
   gpipe, 1f1b        (p-1) / (m + p - 1)                        Huang et al. 2019; Narayanan et al. 2019
   interleaved_1f1b   (p-1) / (v*m + p - 1)                      Narayanan et al. 2021 §2.2.2 (bubble / v)
   zero_bubble (ZBV)  (p-1)(t_f + t_b - 2 t_w) / (m T + that)    Qi et al. 2024 (arXiv:2401.10241) §6: 0 when

@@ -85,7 +85,7 @@ async def converse(conv: dict[str, Any], client: Any, api: Any, model: str, syst
     """One conversation with the model; returns the answer, the tools it called and the skills it read."""
     from mcp import MCPError
 
-    from .runner import result_text
+    from .server import result_text
 
     messages: list[dict[str, Any]] = [{"role": "user", "content": conv["user"]}]
     called: list[str] = []
@@ -124,7 +124,7 @@ async def _run(convs: list[dict[str, Any]], command: list[str], model: str) -> t
     from anthropic import AsyncAnthropic
 
     from .routing import load_skills
-    from .runner import Server, make_project
+    from .server import Server, make_project
 
     api = AsyncAnthropic()
     good = bad = 0
@@ -166,7 +166,8 @@ def run_live(convs: list[dict[str, Any]], *, command: list[str], model: str = MO
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .runner import CONVERSATIONS_DIR, default_server_command
+    from .conversation import CONVERSATIONS_DIR
+    from .server import default_server_command
 
     ap = argparse.ArgumentParser(prog="python -m evals.live", description=__doc__.splitlines()[0])
     ap.add_argument("-k", dest="pattern", default=None, help="only conversations whose id contains this")

@@ -35,10 +35,11 @@ HEARTBEAT_S = 5.0
 class WorkerError(Exception):
     """The job ran and failed, or was refused: `kind` is invalid | failed | cancelled | busy | bug | timeout."""
 
-    def __init__(self, kind: str, message: str):
+    def __init__(self, kind: str, message: str, last_progress: str = ""):
         super().__init__(message)
         self.kind = kind
         self.message = message
+        self.last_progress = last_progress  # the job's last progress line (e.g. its last completed step)
 
 
 # ------------------------------------------------------------------------------------------ process tree
@@ -134,4 +135,4 @@ async def run_worker(task: str, args: dict[str, Any], *, ctx: Any = None, deadli
         return outcome["result"]
     err = outcome.get("error") or {"kind": "bug", "message": f"worker exited with code {proc.returncode} and no "
                                                               "result; see the server log"}
-    raise WorkerError(err["kind"], err["message"])
+    raise WorkerError(err["kind"], err["message"], "" if state["last"] == "starting" else state["last"])

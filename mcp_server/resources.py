@@ -1,21 +1,25 @@
 """The server's resources and prompt: skills as skill://<name>/SKILL.md, configs as config://<name>, runs as
 run://<id> (+ a bench's memory.png), and the diagnose_scaling prompt that walks the stage-4 procedure.
 
-Imported by server.py once its tools exist; registers on the same MCPServer.
+Registers on app.mcp, the same MCPServer as the tools; server.py imports it after the tools.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Annotated, Literal
+import logging
+from typing import Annotated, Any
 
 from curry_train.paths import UnsafeName, check_name, configs_dir
+from mcp.server.mcpserver import Context
 from mcp.server.mcpserver.exceptions import ResourceNotFoundError
 from mcp.server.mcpserver.prompts.base import UserMessage
 from mcp.server.mcpserver.resources import FunctionResource
 from pydantic import Field
 
-from .server import SKILLS_DIR, _available, mcp, root
+from .app import SKILLS_DIR, _available, mcp, root
+
+logger = logging.getLogger(__name__)
 
 # ------------------------------------------------------------------------------------------------ resources
 
@@ -73,12 +77,40 @@ def config_resource(name: str) -> str:
     return _config_text(name)
 
 
+def _add_config(stem: str) -> None:
+    mcp.add_resource(FunctionResource(uri=f"config://{stem}", name=f"config {stem}", title=f"Config {stem}",
+                                      mime_type="application/yaml", fn=(lambda n=stem: _config_text(n))))
+
+
 def register_configs() -> None:
-    """Concrete entries for resources/list (configs written later are still readable through the template)."""
+    """Concrete entries for resources/list; update_config adds the configs it creates (announce_config)."""
     for p in sorted(configs_dir(root()).glob("*.yaml")):
-        mcp.add_resource(FunctionResource(uri=f"config://{p.stem}", name=f"config {p.stem}", title=f"Config {p.stem}",
-                                          mime_type="application/yaml",
-                                          fn=(lambda n=p.stem: _config_text(n))))
+        _add_config(p.stem)
+
+
+async def announce_config(stem: str, ctx: Context) -> None:
+    """A config created mid-session: list it, and tell the client its resource list changed (capability
+    resources.listChanged, set in advertise_list_changed), on the session and on subscriptions/listen streams."""
+    _add_config(stem)
+    try:
+        await ctx.session.send_resource_list_changed()
+        await ctx.notify_resources_changed()
+    except Exception as e:  # noqa: BLE001 - a notification the client cannot take must not fail the write
+        logger.info("resources/list_changed not sent: %s", e)
+
+
+def advertise_list_changed() -> None:
+    """Advertise resources.listChanged: the SDK's MCPServer calls create_initialization_options() without
+    NotificationOptions (mcp 2.3), so every transport's handshake goes through this default instead."""
+    from mcp.server.lowlevel.server import NotificationOptions
+
+    low = mcp._lowlevel_server
+    original = low.create_initialization_options
+
+    def with_list_changed(notification_options: NotificationOptions | None = None, *args: Any, **kw: Any) -> Any:
+        return original(notification_options or NotificationOptions(resources_changed=True), *args, **kw)
+
+    low.create_initialization_options = with_list_changed
 
 
 @mcp.resource("run://index", mime_type="application/json", title="Recent runs")
@@ -121,27 +153,49 @@ def run_memory_png(run_id: str) -> bytes:
 # ------------------------------------------------------------------------------------------------ prompts
 
 
+# recommend_next's vocabulary; free text is mapped onto it (the symptom a user types is rarely one word)
+_OOM_WORDS = ("oom", "out of memory", "memory", "does not fit", "doesn't fit", "not fit", "cuda error: out")
+_SLOW_WORDS = ("slow", "throughput", "tokens/s", "mfu", "latency", "step time", "comm", "bandwidth", "scal")
+
+
+def symptom_kind(text: str) -> str:
+    """Free text -> recommend_next's symptom: oom, slow or none ("" and "unknown" -> none)."""
+    t = text.lower()
+    if any(w in t for w in _OOM_WORDS):
+        return "oom"
+    if any(w in t for w in _SLOW_WORDS):
+        return "slow"
+    return "none"
+
+
 @mcp.prompt(title="Diagnose scaling: which parallelism primitive next?")
 def diagnose_scaling(
     config: Annotated[str, Field(description="Config name in configs/ to start from")] = "tiny",
-    symptom: Annotated[Literal["oom", "slow", "unknown"], Field(description="What goes wrong now")] = "unknown",
+    symptom: Annotated[str, Field(description="What goes wrong, in your words (e.g. 'OOM at seq 4096', "
+                                              "'slow at 8 GPUs'); mapped to recommend_next's oom / slow / none")] = "",
     goal: Annotated[str, Field(description="What the user wants, e.g. 'fit llama3-8b on 8 H100s'")] = "",
 ) -> list[UserMessage]:
     """Walk the stage-4 procedure on a config: measure, recommend one primitive, apply, re-measure, prove parity."""
-    sym = "" if symptom == "unknown" else f' (symptom: "{symptom}")'
-    text = f"""Help me scale training of config `{config}`{sym}.{' Goal: ' + goal if goal else ''}
+    kind = symptom_kind(symptom)
+    said = f' (symptom: "{symptom.strip()}", read as {kind})' if symptom.strip() else ""
+    sym_arg = f', symptom="{kind}"' if kind != "none" else ""
+    text = f"""Help me scale training of config `{config}`{said}.{' Goal: ' + goal if goal else ''}
 
-Follow the curryTrain stage-4 procedure (skill://stage4-parallel-primitive-intro/SKILL.md), one rung at a time:
-1. Read skill://stage4-parallel-primitive-intro/SKILL.md, then call probe_hardware to see the devices and links.
-2. Call estimate_memory(config="{config}") and bench(config="{config}") to get the baseline: does it fit, is it
-   memory- or throughput-bound? Quote the per-rank numbers (params, grads, optimizer, activations).
-3. Call recommend_next(config="{config}"{', symptom="' + symptom + '"' if symptom != "unknown" else ""}) and explain
-   its reason with the numbers. Follow the ladder: recompute for a single-device OOM, then the lowest ZeRO stage
-   that fits, TP only within a node after full sharding + recompute, PP only across nodes when communication
-   dominates, EP only for MoE, CP only for long sequences.
-4. Apply exactly one primitive with update_config(name="{config}-next", changes=<config_patch>, base="{config}").
+Follow the curryTrain stage-4 procedure (skill://stage4-parallel-primitive-intro/SKILL.md), one rung at a time.
+Call the current config C; it starts as `{config}`.
+1. Read skill://stage4-parallel-primitive-intro/SKILL.md and call probe_hardware (measure=false) to see what
+   this machine has. Then decide which machine the question is about: a cluster (a preset such as llama3-8b,
+   "N GPUs") is answered by estimate_memory and plan, without running anything; this machine by measuring
+   (bench refuses, at once, configs this machine cannot run and says what to call instead).
+2. Call estimate_memory(config=C) and, when C runs on this machine, bench(config=C) for the baseline: does it
+   fit, is it memory- or throughput-bound? Quote the per-rank numbers by category (params, grads, optimizer,
+   activations, ...).
+3. Call recommend_next(config=C{sym_arg}) and explain its reason with the numbers. Follow the ladder: recompute
+   for a single-device OOM, then the lowest ZeRO stage that fits, TP only within a node after full sharding +
+   recompute, PP only across nodes when communication dominates, EP only for MoE, CP only for long sequences.
+4. Apply exactly one primitive: update_config(name="<C>-<primitive>", changes=<config_patch>, base=C).
 5. bench the new config, then whitebox_compare it: the parallel run must match one device before its numbers count.
 6. runs_diff the two bench runs and state what the primitive bought (memory, step time) and what it cost.
-7. Repeat from step 3 until it fits the budget and is not communication-bound; stop and say so when the only
-   answer is more GPUs."""
+7. Set C to the config you just wrote and repeat from step 3 on it (not on `{config}`) until it fits the budget
+   and is not communication-bound; stop and say so when the only answer is more GPUs."""
     return [UserMessage(text)]

@@ -53,6 +53,10 @@ def _probe(args: dict[str, Any], cancel: threading.Event, say: Say, root: str | 
 
 def _sweep(args: dict[str, Any], cancel: threading.Event, say: Say, root: str | None) -> dict[str, Any]:
     from curry_train.advice.sweep import capacity_sweep
+    from curry_train.measure.preflight import preflight
+    from curry_train.measure.service import resolve
+
+    preflight(*resolve(args["config"], args.get("overrides") or {}, root))  # measured: it launches ranks
 
     return capacity_sweep(args["config"], args.get("overrides") or {}, measured=True, rungs=args.get("rungs"),
                           max_micro_batch=args.get("max_micro_batch", 4096),
@@ -80,8 +84,8 @@ LOCKED = {"bench", "whitebox", "sweep", "probe_measure", "selftest"}
 
 def _classify(e: BaseException) -> tuple[str, str]:
     from curry_train.config import ConfigError
-    from curry_train.train.launch import LaunchError
     from curry_train.paths import UnsafeName
+    from curry_train.train.launch import LaunchError
 
     if isinstance(e, (ConfigError, UnsafeName, FileNotFoundError, ValueError)):
         return "invalid", str(e)

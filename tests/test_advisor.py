@@ -110,15 +110,123 @@ def test_says_when_the_only_answer_is_more_gpus():
     assert r.primitive == "none" and r.more_gpus_needed and "more GPUs" in r.reason
 
 
-def test_a_config_that_fits_and_is_not_comm_bound_needs_nothing():
-    r = recommend_next("llama3-8b")
-    assert r.symptom == "none" and r.primitive == "none" and r.config_patch == {}
+def test_a_config_that_fits_and_needs_everything_it_has_gets_nothing():
+    r = recommend_next("tiny")
+    assert r.symptom == "none" and r.primitive == "none" and r.action == "none" and r.config_patch == {}
+    r = recommend_next("llama3-8b", None, {"train.seq_len": 131072, "train.global_batch": 8, "parallel.dp": 1,
+                                           "parallel.tp": 8, "parallel.sp": True, "parallel.zero": 0})
+    assert r.action == "none" and r.config_patch == {}
+    assert "each primitive in place is needed" in r.reason and "tp=8: without it" in r.reason
 
 
-def test_a_given_oom_is_trusted_even_when_the_estimate_fits():
+def test_a_given_oom_that_the_estimate_does_not_show_asks_for_a_measurement():
     r = recommend_next("tiny", "oom")
-    assert r.symptom_source == "given" and r.primitive == "recompute"
-    assert r.memory_after_bytes < r.memory_before_bytes
+    assert r.symptom_source == "given" and r.action == "none" and r.config_patch == {}
+    assert "measured_peak_bytes" in r.reason and "measured OOM" not in r.reason
+    r = recommend_next("tiny", "oom", measured_peak_bytes=2 * 2**30)  # a measurement over the 1 GiB budget
+    assert r.primitive == "recompute" and r.memory_after_bytes < r.memory_before_bytes
+    assert "measured peak above the budget" in r.reason
+
+
+def test_an_estimated_oom_comes_first_whatever_the_symptom():
+    r = recommend_next("tiny", "slow", {"hardware.gpu_memory_gib": 0.004})
+    assert r.symptom == "oom" and r.symptom_source == "derived" and r.primitive == "recompute"
+    assert "memory first" in r.reason and "'slow'" in r.reason
+
+
+def test_the_8b_preset_relaxes_full_recompute_and_the_plan_agrees():
+    from curry_train.advice.planner import plan
+
+    r = recommend_next("llama3-8b")
+    assert (r.action, r.primitive, r.config_patch) == ("remove", "recompute", {"parallel.recompute": "selective"})
+    assert r.fits_after and r.throughput_change_pct > 10
+    assert plan("llama3-8b", 8, 1, 80.0, 8192, 512).final["recompute"] in ("none", "selective")
+
+
+def test_the_70b_preset_drops_tensor_parallel_by_its_own_numbers_and_the_plan_agrees():
+    from curry_train.advice.planner import plan
+
+    r = recommend_next("llama3-70b")
+    assert r.action == "remove" and r.primitive == "tp"
+    assert r.config_patch == {"parallel.tp": 1, "parallel.sp": False, "parallel.dp": 32}
+    assert r.fits_after and r.step_time_after_s <= r.step_time_before_s * 1.10
+    assert "tp=8 is unnecessary" in r.reason
+    assert plan("llama3-70b", 8, 4, 80.0, 8192, 1024).final["tp"] < 8
+
+
+def test_slow_weighs_every_lever_with_numbers_and_names_refusals_as_such():
+    r = recommend_next("mixtral-8x7b", None, {"parallel.ep": 1})
+    assert r.primitive == "ep" and r.step_time_after_s < r.step_time_before_s
+    assert any(a.change.startswith("double micro_batch") and a.step_time_s for a in r.alternatives)
+    assert any("pp: refused by the config rules" in x and "Fix:" in x for x in r.rejected)
+    assert not any("no pipeline split" in x or "does not fit" in x for x in r.rejected)
+    assert any(x.startswith("hsdp:") and "dp_replicate" in x for x in r.rejected)
+
+
+def test_a_bubble_bound_pipeline_gets_a_better_schedule():
+    r = recommend_next("gpt3-175b", "slow", {"train.global_batch": 256})
+    assert r.primitive == "pp" and r.config_patch["parallel.pp_virtual"] >= 2
+    assert r.step_time_after_s < r.step_time_before_s and "bubble" in r.reason
+
+
+def test_long_context_weighs_cp_against_tp_by_step_time():
+    r = recommend_next("llama3-8b", None, {"train.seq_len": 131072, "train.global_batch": 8})
+    assert r.primitive == "tp" and r.fits_after
+    assert any(x.startswith("cp ") and "per step against" in x for x in r.rejected)
+
+
+def test_after_cp_the_advisor_still_tries_tp():
+    from curry_train.advice.decide import _tp_patches
+    from curry_train.estimator import load_any
+
+    cfg = load_any("llama3-8b", {"train.seq_len": 131072, "train.global_batch": 8, "parallel.dp": 1,
+                                 "parallel.cp": 8, "parallel.sp": False})
+    assert {"parallel.tp": 2, "parallel.sp": False, "parallel.cp": 4} in _tp_patches(cfg)
+
+
+def test_only_more_gpus_quotes_how_many_nodes():
+    r = recommend_next("llama3-70b", None, {"parallel.dp": 1, "hardware.nodes": 1})
+    assert r.more_gpus_needed and r.min_nodes_to_fit == 4 and "from 4 nodes of 8" in r.reason
+
+
+def test_a_one_gpu_oom_lists_halving_the_micro_batch_as_the_alternative():
+    r = recommend_next("tiny", None, {"train.seq_len": 512, "train.micro_batch": 8, "hardware.gpu_memory_gib": 0.05,
+                                      "hardware.gpus_per_node": 1})
+    assert r.primitive == "recompute"
+    alt = next(a for a in r.alternatives if a.change == "halve micro_batch")
+    assert alt.fits and alt.total_gib is not None and "fits" in alt.text and "% step time" in alt.text
+
+
+def test_the_tp_reason_names_the_link_of_the_hardware_never_nvlink_on_cpu():
+    ov = {"parallel.dp": 4, "parallel.zero": 3, "parallel.recompute": "full", **SMALL_NODE,
+          "hardware.gpu_memory_gib": 0.001}
+    r = recommend_next("tiny", None, ov)
+    assert r.primitive == "tp" and "NVLink" not in r.reason and "CPU" in r.reason
+
+
+@pytest.mark.parametrize("recompute,zero", [("none", 1), ("selective", 2), ("full", 3)])
+def test_reason_texts_quote_the_values_they_describe(recompute, zero):
+    """Mutate the inputs: each reason follows them (no stale 'full recompute already on', 'ZeRO-3', or a '<' that
+    is false)."""
+    ov = {"parallel.recompute": recompute, "parallel.zero": zero}
+    big = recommend_next("llama3-70b", None, {"parallel.dp": 1, "hardware.nodes": 1, **ov})
+    assert "already on" not in big.reason
+    if big.more_gpus_needed:
+        assert f"zero={zero}" in big.reason and f"recompute={recompute}" in big.reason
+    if big.primitive == "tp":
+        assert f"with zero={zero} and recompute={recompute}" in big.reason
+    one = recommend_next("tiny", None, {"hardware.gpus_per_node": 1, "hardware.gpu_memory_gib": 0.001,
+                                        "parallel.recompute": recompute})
+    if one.more_gpus_needed:
+        assert f"recompute={recompute}" in one.reason and "already on" not in one.reason
+    for seq in (8192, 131072):
+        r = recommend_next("llama3-8b", "oom", {"train.seq_len": seq, "train.global_batch": 8, **ov},
+                           measured_peak_bytes=10**12)
+        for x in r.rejected:
+            if x.startswith("cp: no proven need") and "<" in x:
+                left, right = x.split("(")[1].split(" < ")
+                if left.startswith("seq_len"):
+                    assert int(left.split()[1]) < int(right.split(")")[0]), x
 
 
 def test_recommendations_climb_one_rung_at_a_time_until_it_fits():
@@ -126,14 +234,15 @@ def test_recommendations_climb_one_rung_at_a_time_until_it_fits():
 
     cfg = load_any("llama3-8b", {"parallel.zero": 0, "parallel.recompute": "none"})
     seen = []
-    for _ in range(6):
+    for _ in range(8):
         r = recommend_next(cfg)
-        if r.primitive == "none":
+        if r.action == "none":
             break
-        seen.append(r.primitive)
+        seen.append((r.action, r.primitive))
         cfg = load_any(cfg, r.config_patch)
-    assert seen == ["zero3", "recompute"]
-    assert estimate_memory(cfg).fits
+    assert seen[:2] == [("add", "zero3"), ("add", "recompute")]
+    assert all(a == "remove" for a, _ in seen[2:])  # then what the estimate shows unneeded (ZeRO-3 -> 2)
+    assert estimate_memory(cfg).fits and len(seen) < 8
 
 
 def test_cli_recommend_json(capsys):
@@ -147,4 +256,6 @@ def test_cli_recommend_json(capsys):
 @pytest.mark.parametrize("symptom", ["oom", "slow", "none"])
 def test_every_symptom_returns_a_valid_primitive(symptom):
     r = recommend_next("llama3-70b", symptom)
-    assert r.primitive in ("none", "recompute", "zero1", "zero2", "zero3", "tp", "pp", "ep", "cp", "dp")
+    assert r.primitive in ("none", "recompute", "zero", "zero1", "zero2", "zero3", "tp", "pp", "ep", "cp", "dp",
+                           "micro_batch")
+    assert r.action in ("add", "remove", "none") and all(a.text for a in r.alternatives)

@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
+import io
 import json
 import math
-import struct
 import subprocess
 import sys
 import threading
-import zlib
 
 import pytest
-from curry_train.measure.bench import BenchResult, DeviceLock, fold, summarise
+from curry_train.breakdown import CATEGORIES
 from curry_train.config import load_config
+from curry_train.measure.bench import BenchResult, DeviceLock, fold, summarise
 from curry_train.plots import memory_breakdown_png, pipeline_timeline_png, simulate_pipeline
 from curry_train.store.runs import Ledger
 
@@ -34,8 +34,10 @@ def test_summary_takes_the_slowest_rank_per_step_then_the_median_and_the_rank_wi
     assert r.tokens_per_s == pytest.approx(8 * 64 / 0.25)
     assert r.peak_memory_bytes == 1500 and r.per_rank_peak_bytes == [1000, 1500] and r.memory_breakdown.rank == 1
     b = r.memory_breakdown
-    assert (b.params, b.grads, b.optimizer, b.activations, b.other) == (100, 100, 200, 990, 110)  # copies -> other
-    assert b.params + b.grads + b.optimizer + b.activations + b.other == b.peak
+    # the measured categories as they are: the estimator files them the same way (curry_train/breakdown.py)
+    assert (b.params, b.param_copies, b.grads, b.grad_buffers, b.optimizer, b.activations, b.other) == \
+        (100, 10, 100, 100, 200, 990, 0)
+    assert sum(b.by_category().values()) == b.peak
     assert r.loss_finite and not r.oom and r.mfu is None and r.world_size == 2
     assert r.estimate is not None and r.estimate.total > 0  # the estimator's prediction beside the measurement
     assert r.estimate.error_vs_measured == pytest.approx(r.estimate.total / 1500 - 1)
@@ -48,10 +50,11 @@ def test_cpu_oom_is_a_peak_above_the_budget_and_nan_losses_are_not_finite(projec
     assert r.oom and "budget" in r.oom_detail and not r.loss_finite
 
 
-def test_fold_maps_memory_categories_onto_the_estimator_components():
-    b = fold({"at_peak": {"params": 1, "param_copies": 2, "grads": 3, "grad_buffers": 4, "optimizer": 5,
-                          "activations": 6, "other": 7}, "params": 1}, peak=28, rank=0)
-    assert (b.params, b.grads, b.optimizer, b.activations, b.other, b.peak) == (1, 3, 5, 6, 13, 28)
+def test_fold_keeps_every_shared_category_and_folds_nothing_into_other():
+    at = {"params": 1, "param_copies": 2, "grads": 3, "grad_buffers": 4, "optimizer": 5, "activations": 6,
+          "loss": 8, "pp_buffers": 9, "other": 7}
+    b = fold({"at_peak": at, "params": 1}, peak=45, rank=0)
+    assert b.by_category() == at and tuple(b.by_category()) == CATEGORIES and b.peak == 45
 
 
 def test_the_device_lock_admits_one_holder_and_is_freed_on_release(project):
@@ -69,11 +72,13 @@ def test_the_device_lock_admits_one_holder_and_is_freed_on_release(project):
 
 
 def _png_size(data: bytes) -> tuple[int, int]:
+    """Width and height of a PNG that decodes completely (Pillow ships with matplotlib)."""
+    from PIL import Image
+
     assert data[:8] == b"\x89PNG\r\n\x1a\n"
-    w, h = struct.unpack(">II", data[16:24])
-    idat = data[data.index(b"IDAT") + 4:data.index(b"IEND") - 8]
-    assert len(zlib.decompress(idat)) == h * (1 + 3 * w)
-    return w, h
+    with Image.open(io.BytesIO(data)) as im:
+        im.load()  # decodes every pixel: a truncated or corrupt file raises
+        return im.size
 
 
 def test_pictures_are_valid_pngs():
@@ -81,8 +86,9 @@ def test_pictures_are_valid_pngs():
                                              "other": 5}, "measured": {"params": 10, "grads": 10, "optimizer": 20,
                                                                        "activations": 45, "other": 6}},
                                budget_bytes=80, peaks={"measured": 95})
-    assert _png_size(mem) == (820, 440)
-    assert _png_size(pipeline_timeline_png(4, 8, "1f1b"))[0] == 900
+    w, h = _png_size(mem)
+    assert w >= 800 and h >= 400  # readable: matplotlib at 100 dpi, real axes and text
+    assert _png_size(pipeline_timeline_png(4, 8, "1f1b"))[0] >= 900
 
 
 @pytest.mark.parametrize("schedule,p,v,m", [("gpipe", 4, 1, 8), ("1f1b", 4, 1, 8), ("1f1b", 2, 1, 4),
@@ -108,11 +114,11 @@ def test_a_real_two_rank_bench_through_the_cli_measures_records_and_draws(projec
     assert r.world_size == 2 and r.device == "cpu" and r.loss_finite and len(r.losses) == 4
     assert r.step_time_s and r.step_time_s > 0 and r.tokens_per_s > 0 and len(r.step_times_s) == 3
     b = r.memory_breakdown
-    assert r.peak_memory_bytes > 0 and b.params + b.grads + b.optimizer + b.activations + b.other == b.peak
+    assert r.peak_memory_bytes > 0 and sum(b.by_category().values()) == b.peak
     assert b.params == 723_200 and b.optimizer >= 2 * b.params  # tiny: 180,800 fp32 params; AdamW: 2 states + step
     assert not r.oom and r.mfu is None and r.estimate is not None
     assert abs(r.estimate.error_vs_measured) < 0.5
     rec = Ledger(project).get(r.run_id)
     assert rec.status == "ok" and rec.metrics["peak_memory_bytes"] == r.peak_memory_bytes
-    assert _png_size(png.read_bytes())[0] == 820
+    assert _png_size(png.read_bytes())[0] >= 800
     assert "step 3/3" in proc.stderr and "launching 2 rank" in proc.stderr  # progress on stderr, JSON on stdout

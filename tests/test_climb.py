@@ -7,18 +7,20 @@ command for real (torchrun, the advisor, the estimator, the white-box), marked s
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from types import SimpleNamespace
 
 import pytest
 from curry_train.cli import climb as climb_mod
-from curry_train.measure import service
-from curry_train.measure.bench import BenchResult, EstimateSide, MemoryBreakdown
 from curry_train.cli.climb import climb, format_table
 from curry_train.config import load_config
-from curry_train.store.configs import history
 from curry_train.estimator import estimate_memory
+from curry_train.measure import service
+from curry_train.measure.bench import BenchResult, EstimateSide, MemoryBreakdown
+from curry_train.measure.preflight import cpu_rank_cap
+from curry_train.store.configs import history
 
 
 @pytest.fixture
@@ -88,7 +90,8 @@ def test_the_climb_config_is_fitted_to_this_machine(project, fake_runs, monkeypa
     r = climb("tiny", 10**9, root=project)
     assert r.fits and len(r.rungs) == 1
     cfg = load_config(project / "configs" / "tiny-climb.yaml")
-    assert cfg.hardware.device == "cpu" and cfg.hardware.gpus_per_node <= climb_mod.CPU_MAX_RANKS
+    cap = cpu_rank_cap(os.cpu_count() or 1)  # the preflight's cap, the same for the climb and every launch
+    assert cfg.hardware.device == "cpu" and cfg.hardware.gpus_per_node <= cap
     assert cfg.hardware.gpu_memory_gib == pytest.approx(10**9 / 2**30)
 
 

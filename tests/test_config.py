@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from curry_train.config import Config, ConfigError, check, from_dict, load_config, parse_sets
 
-from tests.conftest import REPO
+from tests.conftest import PRESETS
 
-TINY = REPO / "configs" / "tiny.yaml"
+TINY = PRESETS / "tiny.yaml"
 
 # Every override set the parallel issues use must validate on tiny.
 VALID_ON_TINY = [
@@ -31,7 +31,7 @@ def test_tiny_accepts_every_override_set_the_parallel_issues_use(overrides):
 
 def test_tiny_moe_accepts_expert_parallel_layouts():
     for o in ({"parallel.dp": 2, "parallel.ep": 2}, {"parallel.dp": 4, "parallel.ep": 4, "parallel.zero": 3}):
-        assert load_config(REPO / "configs" / "tiny-moe.yaml", o).model.num_experts == 4
+        assert load_config(PRESETS / "tiny-moe.yaml", o).model.num_experts == 4
 
 
 def _fields(overrides):

@@ -7,8 +7,8 @@ import threading
 
 import pytest
 from curry_train.config import ConfigError, load_config
-from curry_train.store.configs import history, update_config
 from curry_train.paths import UnsafeName
+from curry_train.store.configs import history, update_config
 
 
 def test_creating_from_a_base_writes_the_resolved_config_and_diffs_against_the_base(project):

@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from evals import live, runner
+from evals import checks, conversation, live, paths
 from evals.routing import Router, Skill, stem, tokenize
 
-FILES = sorted(runner.CONVERSATIONS_DIR.glob("*.yaml"))
+FILES = sorted(conversation.CONVERSATIONS_DIR.glob("*.yaml"))
 ROUTER = Router()
 SKILLS = {s.name for s in ROUTER.skills}
 
@@ -27,7 +27,7 @@ def _load(path: Path) -> dict:
 
 @pytest.mark.parametrize("path", FILES, ids=[p.stem for p in FILES])
 def test_conversation_file_follows_the_schema(path: Path) -> None:
-    runner.validate_conversation(_load(path), path.stem, SKILLS)
+    conversation.validate_conversation(_load(path), path.stem, SKILLS)
 
 
 @pytest.mark.parametrize("path", FILES, ids=[p.stem for p in FILES])
@@ -47,7 +47,7 @@ def test_there_are_at_least_25_conversations_with_unique_ids() -> None:
 
 def test_conversations_cover_every_rung_anti_pattern_and_flow() -> None:
     covered = {t for p in FILES for t in _load(p)["covers"]}
-    assert set(runner.COVERAGE) - covered == set()
+    assert set(conversation.COVERAGE) - covered == set()
 
 
 def test_every_skill_the_ladder_names_is_exercised() -> None:
@@ -56,12 +56,12 @@ def test_every_skill_the_ladder_names_is_exercised() -> None:
 
 
 def test_expensive_tools_stay_in_a_handful_of_conversations() -> None:
-    heavy = [p.stem for p in FILES if runner.launches(_load(p))]
+    heavy = [p.stem for p in FILES if conversation.launches(_load(p))]
     assert 1 <= len(heavy) <= 6, heavy
     for p in FILES:
         conv = _load(p)
-        if runner.launches(conv):
-            assert len(conv.get("eras", runner.ERAS)) == 1, f"{p.stem}: torchrun flows run in one era only"
+        if conversation.launches(conv):
+            assert len(conv.get("eras", conversation.ERAS)) == 1, f"{p.stem}: torchrun flows run in one era only"
 
 
 def test_every_advisor_answer_is_checked_against_the_final_recommendation() -> None:
@@ -139,31 +139,31 @@ RESULT = {
     ({"expr": "{memory.total} / {param_count}", "gt": 10}, False),
 ])
 def test_assertion_operators(assertion: dict, holds: bool) -> None:
-    assert (runner.check(assertion, RESULT, {}) is None) is holds
+    assert (checks.check(assertion, RESULT, {}) is None) is holds
 
 
 def test_references_to_earlier_results_keep_their_type() -> None:
     saved = {"a": {"run_id": "bench-1", "peak": 5}}
-    assert runner.substitute({"run_a": "${a.run_id}", "n": "${a.peak}", "s": "x-${a.peak}"}, saved) == \
+    assert paths.substitute({"run_a": "${a.run_id}", "n": "${a.peak}", "s": "x-${a.peak}"}, saved) == \
         {"run_a": "bench-1", "n": 5, "s": "x-5"}
-    assert runner.check({"path": "memory.total", "gt": "${a.peak}"}, RESULT, saved) is None
+    assert checks.check({"path": "memory.total", "gt": "${a.peak}"}, RESULT, saved) is None
 
 
 def test_spread_applies_an_earlier_patch_over_the_starting_layout() -> None:
     saved = {"rec": {"config_patch": {"parallel.zero": 2}}}
     args = {"overrides": {"parallel.dp": 8, "parallel.zero": 0, "...": "${rec.config_patch}"}}
-    assert runner.substitute(args, saved) == {"overrides": {"parallel.dp": 8, "parallel.zero": 2}}
+    assert paths.substitute(args, saved) == {"overrides": {"parallel.dp": 8, "parallel.zero": 2}}
 
 
 def test_a_filter_picks_the_record_by_field() -> None:
     rows = {"rungs": [{"rung": "single", "m": None}, {"rung": "zero3+recompute", "m": 3}]}
-    assert runner.check({"path": "rungs[rung=zero3+recompute].m", "ge": 1}, rows, {}) is None
-    assert runner.check({"path": "rungs[rung=single].m", "equals": None}, rows, {}) is None
-    assert runner.check({"path": "rungs[rung=tp8].m", "exists": False}, rows, {}) is None
+    assert checks.check({"path": "rungs[rung=zero3+recompute].m", "ge": 1}, rows, {}) is None
+    assert checks.check({"path": "rungs[rung=single].m", "equals": None}, rows, {}) is None
+    assert checks.check({"path": "rungs[rung=tp8].m", "exists": False}, rows, {}) is None
 
 
 def test_expr_refuses_anything_but_arithmetic() -> None:
-    reason = runner.check({"expr": "__import__('os').getpid()", "gt": 0}, RESULT, {})
+    reason = checks.check({"expr": "__import__('os').getpid()", "gt": 0}, RESULT, {})
     assert reason is not None and "only arithmetic" in reason
 
 
@@ -178,8 +178,8 @@ def test_expr_refuses_anything_but_arithmetic() -> None:
 def test_schema_names_what_is_wrong(bad: dict, says: str) -> None:
     conv = {"id": "x", "user": "a message of several words", "skill": "bench", "covers": ["bench"],
             "calls": [bad], "final": {"answer": "a", "mentions": ["a"]}}
-    with pytest.raises(runner.SchemaError) as e:
-        runner.validate_conversation(conv, "x", SKILLS)
+    with pytest.raises(conversation.SchemaError) as e:
+        conversation.validate_conversation(conv, "x", SKILLS)
     assert says in str(e.value)
 
 

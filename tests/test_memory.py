@@ -24,14 +24,14 @@ from __future__ import annotations
 import pytest
 import torch
 from curry_train.config import load_config
-from curry_train.train.jobs import JOBS, rank_jobs
-from curry_train.train.launch import launch_forkserver
 from curry_train.measure.memory import CATEGORIES, measure_memory
 from curry_train.model.gpt import build_model
+from curry_train.train.jobs import JOBS, rank_jobs
+from curry_train.train.launch import launch_forkserver
 
-from tests.conftest import REPO
+from tests.conftest import PRESETS
 
-TINY = REPO / "configs" / "tiny.yaml"
+TINY = PRESETS / "tiny.yaml"
 F32 = 4
 
 

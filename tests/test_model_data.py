@@ -7,9 +7,9 @@ from curry_train.config import load_config
 from curry_train.model.data import cp_positions, global_batch, micro_batches
 from curry_train.model.gpt import build_model, count_params
 
-from tests.conftest import REPO
+from tests.conftest import PRESETS
 
-TINY = REPO / "configs" / "tiny.yaml"
+TINY = PRESETS / "tiny.yaml"
 
 
 def test_init_depends_only_on_the_seed_and_each_parameter_name():

@@ -34,6 +34,7 @@ def test_the_climb_starts_from_plain_data_parallel_and_adds_one_primitive_per_ru
 def test_ranked_layouts_fit_and_are_sorted_by_step_time():
     p = plan("llama3-8b", gpus_per_node=8, nodes=1, gpu_memory_gib=80.0, seq_len=8192, global_batch=512)
     assert p.layouts_valid >= p.layouts_fitting >= len(p.ranked) > 0
+    assert all(isinstance(r.anti_patterns, list) and r.micro_batch >= 1 for r in p.ranked)
     times = [r.step_time_s for r in p.ranked]
     assert times == sorted(times) or all(abs(a - b) / b < 0.01 for a, b in itertools.pairwise(times))
     assert all(r.total_gib <= 80.0 for r in p.ranked)
@@ -48,9 +49,12 @@ def test_an_inline_model_section_is_accepted():
     assert p.model == "inline" and p.fits
 
 
-def test_a_model_too_big_for_the_cluster_says_more_gpus():
+def test_a_model_too_big_for_the_cluster_says_how_many_nodes():
     p = plan("llama3-405b", gpus_per_node=8, nodes=1, gpu_memory_gib=80.0, seq_len=8192, global_batch=64)
-    assert not p.fits and p.more_gpus_needed
+    assert not p.fits and p.more_gpus_needed and p.min_nodes_to_fit and p.min_nodes_to_fit > 1
+    bigger = plan("llama3-405b", gpus_per_node=8, nodes=p.min_nodes_to_fit, gpu_memory_gib=80.0, seq_len=8192,
+                  global_batch=64)
+    assert bigger.fits and not bigger.more_gpus_needed and bigger.min_nodes_to_fit is None
 
 
 def test_planning_16384_gpus_takes_under_a_second():
@@ -67,7 +71,7 @@ def test_cli_plan_json(capsys):
     assert main(["plan", "--model", "llama3-8b", "--nodes", "1", "--seq-len", "8192", "--global-batch", "512",
                  "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["fits"] and out["final"]["zero"] == 3
+    assert out["fits"] and out["final"]["zero"] >= 2 and out["final_anti_patterns"] == []
 
 
 def test_cli_plan_rejects_an_unknown_model(capsys):
@@ -83,3 +87,102 @@ def test_an_invalid_inline_model_is_refused(bad):
 
     with pytest.raises(ValidationError):
         plan({"vocab_size": 256, **bad}, 8, 1, 80.0, 1024, 8)
+
+
+@pytest.mark.parametrize("model,nodes,seq,gb", [("llama3-70b", 32, 8192, 1024), ("llama3-8b", 1, 131072, 8),
+                                              ("llama3-8b", 4, 8192, 512), ("mixtral-8x7b", 2, 4096, 1024)])
+def test_final_is_the_lightest_clean_layout_within_ten_percent_and_uses_the_gpus(model, nodes, seq, gb):
+    from curry_train.advice.search import Row
+
+    p = plan(model, 8, nodes, 80.0 if model != "mixtral-8x7b" else 131.0, seq, gb, top=100_000)
+    assert p.fits and not p.more_gpus_needed and p.final_anti_patterns == []
+    clean = [r for r in p.ranked if not r.anti_patterns]
+    assert p.fastest_clean_step_time_s == min(r.step_time_s for r in clean)
+    assert p.final_step_time_s <= 1.10 * p.fastest_clean_step_time_s
+    assert p.gpus_used == p.gpus or p.idle_reason
+    pool = [r for r in clean if r.step_time_s <= 1.10 * p.fastest_clean_step_time_s and r.gpus_used == p.gpus_used]
+
+    def weight(r):
+        return Row(parallel=r.parallel, micro_batch=r.micro_batch, total=0, step_s=0, mfu=0, comm_fraction=0,
+                   gpus_used=r.gpus_used).weight
+    assert weight(next(r for r in pool if r.parallel == p.final and r.micro_batch == p.micro_batch)) == \
+        min(weight(r) for r in pool)
+    assert p.rungs[-1].parallel == p.final and p.rungs[0].primitive == "baseline"
+    assert [r.primitive for r in p.rungs[1:]] == sorted(
+        (r.primitive for r in p.rungs[1:]),
+        key=lambda x: ["zero1", "zero2", "zero3", "recompute", "tp", "pp", "ep", "cp"].index(x))
+    for r in p.ranked:  # the search space's own rules
+        par = r.parallel
+        assert 8 % par["tp"] == 0 and par["dp"] * par["tp"] * par["pp"] * par["cp"] == r.gpus_used <= p.gpus
+        assert par["pp"] == 1 or nodes % par["pp"] == 0  # whole nodes per stage
+        assert par["cp"] == 1 or seq >= 32768
+        assert par["dp"] * par["cp"] > 1 or par["zero"] == 0  # ZeRO stages at dp=1 collapse into one row
+
+
+def test_idle_gpus_come_with_a_true_reason():
+    p = plan("llama3-8b", 6, 2, 80.0, 8192, 512)
+    assert p.gpus_used < 12 and "global_batch 512" in p.idle_reason and "divisible by 12" in p.idle_reason
+    q = plan("llama3-8b", 8, 8, 80.0, 8192, 16)  # 16 sequences cannot feed 64 replicas: TP/PP take the rest
+    assert q.gpus_used == 64 or "allows at most 16 data-parallel replicas" in q.idle_reason
+
+
+def test_the_micro_batch_and_tp_sizes_dividing_the_node_are_searched():
+    p = plan("llama3-8b", 6, 1, 80.0, 4096, 96, top=100_000)
+    assert {r.parallel["tp"] for r in p.ranked} <= {1, 2}  # 3 and 6 do not divide 32 heads
+    q = plan("llama3-70b", 8, 32, 80.0, 8192, 1024, top=100_000)
+    assert max(r.micro_batch for r in q.ranked) > 1
+
+
+def test_an_unpadded_vocabulary_gets_the_padding_hint():
+    model = {"vocab_size": 50257, "d_model": 2048, "n_layers": 16, "n_heads": 16, "n_kv_heads": 16, "d_ff": 5504}
+    p = plan(model, 8, 1, 80.0, 4096, 64)
+    assert any("pad model.vocab_size 50257 to 50688" in h and "64*tp = 512" in h for h in p.hints)
+
+
+@pytest.mark.parametrize("kw,field", [({"gpus_per_node": 0}, "gpus_per_node"), ({"nodes": -1}, "nodes"),
+                                      ({"seq_len": 0}, "seq_len"), ({"gpu": "H800X"}, "gpu")])
+def test_bad_cluster_input_names_the_field(kw, field):
+    args = {"gpus_per_node": 8, "nodes": 1, "seq_len": 4096, **kw}
+    with pytest.raises(ValueError) as e:
+        plan("llama3-8b", global_batch=64, **args)
+    assert field in str(e.value)
+    if field == "gpu":
+        assert "A100-80" in str(e.value)
+
+
+def test_a_named_gpu_sets_budget_and_speed():
+    p = plan("llama3-8b", 8, 1, None, 8192, 512, gpu="A100-40")
+    assert p.gpu_memory_gib == 40.0 and p.gpu_profile == "A100-40"
+
+
+def test_recommend_next_and_plan_never_disagree_on_any_preset():
+    """Every preset x symptom: more GPUs only when plan finds nothing (and the same node count); a fitting estimate
+    means plan fits; a removed primitive is one plan also uses less of; an added one carries no anti-pattern."""
+    from pathlib import Path
+
+    from curry_train.advice.advisor import recommend_next
+    from curry_train.estimator import estimate, load_any
+    from curry_train.rules import anti_patterns
+
+    order = {"recompute": ["none", "selective", "full"]}
+    for f in sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml")):
+        cfg = load_any(f.stem)
+        h, t, par = cfg.hardware, cfg.train, cfg.parallel
+        p = plan(f.stem, h.gpus_per_node, h.nodes, h.gpu_memory_gib, t.seq_len, t.global_batch,
+                 micro_batch=t.micro_batch, hardware="CPU" if h.device == "cpu" else None)
+        if estimate(cfg).fits:
+            assert p.fits, f.stem
+        for symptom in (None, "oom", "slow", "none"):
+            r = recommend_next(f.stem, symptom)
+            assert not (r.more_gpus_needed and p.fits), (f.stem, symptom)
+            if r.more_gpus_needed:
+                assert r.min_nodes_to_fit == p.min_nodes_to_fit, (f.stem, symptom)
+            if r.action == "remove" and r.primitive in ("tp", "pp", "cp", "ep"):
+                assert p.final[r.primitive] < getattr(par, r.primitive), (f.stem, symptom, p.final)
+            elif r.action == "remove" and r.primitive == "recompute":
+                rank = order["recompute"].index
+                assert rank(p.final["recompute"]) <= rank(par.recompute), (f.stem, p.final)
+            elif r.action == "add":
+                after = load_any(cfg, r.config_patch, validate=False)
+                new = {a.id for a in anti_patterns(after)} - {a.id for a in anti_patterns(cfg)}
+                assert not new, (f.stem, symptom, r.config_patch, new)

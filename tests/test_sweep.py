@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from curry_train.estimator import estimate_memory
 from curry_train.advice.sweep import capacity_sweep, family, ladder_rungs
+from curry_train.estimator import estimate_memory
 
 
 def test_rungs_follow_the_ladder_for_the_hardware():

@@ -6,9 +6,9 @@ import pytest
 from curry_train.config import load_config
 from curry_train.validation.whitebox import whitebox_batch
 
-from tests.conftest import REPO
+from tests.conftest import PRESETS
 
-TINY = REPO / "configs" / "tiny.yaml"
+TINY = PRESETS / "tiny.yaml"
 pytestmark = pytest.mark.multirank
 
 

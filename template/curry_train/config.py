@@ -17,6 +17,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from curry_train.rules import Problem, check  # the one rule set; re-exported here for callers of config.check
+
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
@@ -97,138 +99,12 @@ class Config(_Section):
         return self.model_dump(mode="json")
 
 
-class Problem(BaseModel):
-    """One thing wrong with a config: which fields, what is wrong, how to fix it."""
-
-    fields: list[str]
-    message: str
-    fix: str
-
-    def __str__(self) -> str:
-        return f"{', '.join(self.fields)}: {self.message}. Fix: {self.fix}"
-
-
 class ConfigError(ValueError):
     """A config that must not be launched; `problems` lists every reason, `str()` explains them all."""
 
     def __init__(self, problems: list[Problem]):
         self.problems = problems
         super().__init__("invalid config:\n" + "\n".join(f"  - {p}" for p in problems))
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def check(cfg: Config) -> list[Problem]:
-    """Every cross-field rule; an empty list means the config may launch."""
-    m, t, p, h = cfg.model, cfg.train, cfg.parallel, cfg.hardware
-    out: list[Problem] = []
-
-    def bad(fields: list[str], message: str, fix: str) -> None:
-        out.append(Problem(fields=fields, message=message, fix=fix))
-
-    if m.d_model % m.n_heads:
-        bad(["model.d_model", "model.n_heads"], f"d_model={m.d_model} is not divisible by n_heads={m.n_heads}",
-            f"pick n_heads among {_divisors(m.d_model)[:12]}")
-    elif (m.d_model // m.n_heads) % 2:
-        bad(["model.d_model", "model.n_heads"], f"head dim {m.d_model // m.n_heads} is odd; RoPE rotates pairs",
-            "use an even d_model / n_heads")
-    if m.n_heads % m.n_kv_heads:
-        bad(["model.n_kv_heads", "model.n_heads"], f"n_heads={m.n_heads} is not divisible by n_kv_heads={m.n_kv_heads}",
-            f"pick n_kv_heads among {_divisors(m.n_heads)}")
-    if p.tp > 1:
-        for field, val in (("model.n_heads", m.n_heads), ("model.n_kv_heads", m.n_kv_heads),
-                           ("model.vocab_size", m.vocab_size)):
-            if val % p.tp:
-                ok = [d for d in _divisors(val) if d > 1][:8]
-                bad([field, "parallel.tp"], f"{field.split('.')[1]}={val} is not divisible by tp={p.tp}",
-                    f"use tp in {ok or [1]}" + (" or pad the vocabulary to a multiple of tp" if "vocab" in field else ""))
-        if m.d_ff % p.tp:
-            bad(["model.d_ff", "parallel.tp"], f"d_ff={m.d_ff} is not divisible by tp={p.tp}",
-                "use a tp that divides d_ff")
-    if p.sp and p.tp == 1:
-        bad(["parallel.sp", "parallel.tp"], "sp=true shards the sequence over the TP group, but tp=1",
-            "set parallel.tp >= 2 or parallel.sp=false")
-    if p.sp and t.seq_len % p.tp:
-        bad(["train.seq_len", "parallel.tp", "parallel.sp"], f"seq_len={t.seq_len} is not divisible by tp={p.tp}",
-            "with sp=true seq_len must be a multiple of tp")
-    stages = p.pp * p.pp_virtual
-    if m.n_layers % stages:
-        bad(["model.n_layers", "parallel.pp", "parallel.pp_virtual"],
-            f"n_layers={m.n_layers} does not split evenly into pp*pp_virtual={stages} stages (uneven stages leave "
-            "the pipeline waiting on the slowest one)",
-            f"use pp*pp_virtual in {_divisors(m.n_layers)}")
-    if p.pp_schedule in ("interleaved_1f1b", "zero_bubble") and p.pp > 1 and p.pp_virtual < 2:
-        bad(["parallel.pp_schedule", "parallel.pp_virtual"], f"{p.pp_schedule} needs pp_virtual >= 2 chunks per rank",
-            "set parallel.pp_virtual=2, or use pp_schedule=1f1b")
-    if p.pp_virtual > 1 and p.pp == 1:
-        bad(["parallel.pp_virtual", "parallel.pp"], "pp_virtual > 1 needs a pipeline (pp >= 2)",
-            "set parallel.pp_virtual=1 or parallel.pp >= 2")
-    if p.pp_virtual > 1 and p.pp_schedule in ("gpipe", "1f1b"):
-        bad(["parallel.pp_schedule", "parallel.pp_virtual"], f"{p.pp_schedule} runs one chunk per rank",
-            "use pp_schedule=interleaved_1f1b or zero_bubble, or pp_virtual=1")
-    if m.num_experts:
-        if m.top_k > m.num_experts:
-            bad(["model.top_k", "model.num_experts"], f"top_k={m.top_k} > num_experts={m.num_experts}",
-                "use top_k <= num_experts")
-        if m.num_experts % p.ep:
-            bad(["model.num_experts", "parallel.ep"], f"num_experts={m.num_experts} is not divisible by ep={p.ep}",
-                f"use ep in {_divisors(m.num_experts)}")
-    elif p.ep > 1:
-        bad(["parallel.ep", "model.num_experts"], "expert parallel needs a MoE model, but num_experts=0",
-            "set parallel.ep=1 (dense models have no experts to shard)")
-    if p.ep > 1 and p.dp % p.ep:
-        bad(["parallel.ep", "parallel.dp"], f"ep={p.ep} is carved from the dp ranks but does not divide dp={p.dp}",
-            f"use ep in {_divisors(p.dp)}")
-    if t.seq_len % (2 * p.cp) and p.cp > 1:
-        bad(["train.seq_len", "parallel.cp"],
-            f"seq_len={t.seq_len} is not divisible by 2*cp={2 * p.cp} (each CP rank holds a head and a tail chunk)",
-            f"use a seq_len that is a multiple of {2 * p.cp}")
-    if p.cp > 1 and p.sp:
-        bad(["parallel.cp", "parallel.sp"], "context parallel and sequence parallel both shard the sequence",
-            "use parallel.sp=false with cp > 1")
-    if t.global_batch % (p.dp * t.micro_batch):
-        bad(["train.global_batch", "parallel.dp", "train.micro_batch"],
-            f"global_batch={t.global_batch} is not divisible by dp*micro_batch={p.dp * t.micro_batch}",
-            f"use global_batch a multiple of {p.dp * t.micro_batch}, or change micro_batch")
-    elif p.pp > 1:
-        n_micro = cfg.num_microbatches
-        if n_micro < p.pp:
-            bad(["train.global_batch", "train.micro_batch", "parallel.pp"],
-                f"the pipeline needs at least pp={p.pp} micro-batches per step, got "
-                f"global_batch/(dp*micro_batch)={n_micro}",
-                f"raise global_batch to {p.pp * p.dp * t.micro_batch} or lower micro_batch")
-        elif p.pp_virtual > 1 and n_micro % p.pp:
-            bad(["train.global_batch", "train.micro_batch", "parallel.pp"],
-                f"{p.pp_schedule} needs the micro-batch count ({n_micro}) to be a multiple of pp={p.pp}",
-                f"use global_batch a multiple of {p.pp * p.dp * t.micro_batch}")
-    if p.dp * p.cp > 1 and p.zero < 2 and p.tp > 1:  # DDP's bucketed all-reduce takes plain tensors only
-        bad(["parallel.zero", "parallel.tp"], f"zero={p.zero} wraps the model in DDP, which cannot hold "
-            "tensor-parallel (DTensor) parameters", "use parallel.zero=2 or 3 with tp (FSDP2 shards the TP "
-            "shards along dp, as torchtitan does)")
-    if p.dp * p.cp > 1 and p.zero < 2 and p.pp > 1 and p.pp_schedule == "zero_bubble":
-        bad(["parallel.zero", "parallel.pp_schedule"], f"zero={p.zero} (DDP) all-reduces when the last "
-            "micro-batch's backward ends, but zero_bubble runs some weight-gradient passes after it (gradients "
-            "would be wrong)", "use parallel.zero=2 or 3 with zero_bubble, or pp_schedule=interleaved_1f1b")
-    if m.num_experts and p.ep > 1 and p.zero == 1 and p.dp * p.cp > 1:
-        bad(["parallel.zero", "parallel.ep"], "ZeRO-1 (ZeroRedundancyOptimizer) broadcasts every updated "
-            "parameter from its owner, which would overwrite one EP rank's experts with another's",
-            "use parallel.zero=0 (DDP) or 2/3 (FSDP, experts sharded over the expert-data-parallel ranks)")
-    if m.num_experts and p.pp > 1 and m.aux_loss_coef + m.z_loss_coef > 0:
-        bad(["model.num_experts", "parallel.pp", "model.aux_loss_coef"], "the pipeline schedule's loss sees only "
-            "the last stage's output, so the router's auxiliary losses on earlier stages would get no gradient",
-            "use pp=1 for MoE (add ep instead), or set aux_loss_coef=0 and z_loss_coef=0")
-    nodes_gpus = h.gpus_per_node * h.nodes
-    if cfg.world_size > nodes_gpus:
-        bad(["hardware.gpus_per_node", "hardware.nodes"],
-            f"world size dp*tp*pp*cp = {p.dp}*{p.tp}*{p.pp}*{p.cp} = {cfg.world_size} exceeds "
-            f"gpus_per_node*nodes = {nodes_gpus}",
-            "shrink the parallel sizes or raise hardware.nodes")
-    if p.tp > h.gpus_per_node:
-        bad(["parallel.tp", "hardware.gpus_per_node"], f"tp={p.tp} spans more than one node ({h.gpus_per_node} "
-            "GPUs per node); TP all-reduces every layer and needs NVLink", "keep tp <= gpus_per_node")
-    return out
 
 
 def validate_config(cfg: Config) -> Config:

@@ -77,7 +77,7 @@ def ep_meshes(mesh, ep: int):
     dp is unflattened into ("edp", "ep") with ep fastest, so ep *consecutive* dp ranks form an EP group and
     hold all E experts between them. "edp_cp" = the ranks holding the *same* experts (dp/ep of them per cp
     rank, times cp): expert gradients are summed there, while the other parameters use dp_cp_mesh.
-    Every rank must call this, in the same order (it creates process groups; torch-cpu-distributed.md quirk 4).
+    Every rank must call this, in the same order (it creates process groups; docs/CPU-DISTRIBUTED.md, quirk 4).
     """
     cache = mesh.__dict__.setdefault("_curry_ep_meshes", {})
     if ep not in cache:

@@ -78,10 +78,18 @@ def run_dir(run_id: str, root: str | Path | None = None) -> Path:
 
 
 def resolve_config_arg(arg: str, root: str | Path | None = None) -> Path:
-    """CLI `--config`: a path to an existing YAML file (read-only use), or a config name under configs/."""
+    """CLI `--config`: a path to an existing YAML file (read-only use), or a config name under configs/.
+
+    A YAML path that does not exist is reported as such, with the configs there are (`configs/nope.yaml` used to
+    fall through to the name check and get "is not allowed (no '/')", issue 20 item 4)."""
     p = Path(arg)
-    if p.suffix in (".yaml", ".yml") and p.is_file():
-        return p
+    if p.suffix in (".yaml", ".yml"):
+        if p.is_file():
+            return p
+        if len(p.parts) > 1:  # a path, not a bare 'tiny.yaml' (that one is the name 'tiny', checked below)
+            have = ", ".join(sorted(q.stem for q in configs_dir(root).glob("*.yaml"))) or "(none)"
+            raise FileNotFoundError(f"config file {arg} does not exist; available configs in {configs_dir(root)}: "
+                                    f"{have} (pass one of these names, or an existing YAML path)")
     return config_path(arg, root)
 
 

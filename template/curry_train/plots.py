@@ -1,203 +1,114 @@
-"""Pictures without matplotlib: a per-rank memory breakdown (estimate vs measured) and a pipeline timeline.
+"""Pictures: a per-rank memory breakdown (estimate vs measured) and a pipeline-schedule timeline, drawn with
+matplotlib's Agg backend (no display needed) and returned as PNG bytes for files and MCP image content.
 
     curry-train bench --config tiny --set parallel.dp=2 --plot mem.png
     python -m curry_train.plots --pipeline 4 --microbatches 8 --schedule 1f1b --out pp.png
 
-A ~60-line PNG encoder (zlib + struct, RGB, filter 0) and a 5x7 bitmap font are enough for labelled bars, so the
-pictures work on any machine the template runs on and travel as MCP image content. The pipeline timeline is a
-small discrete-event simulation of the schedule's per-rank op order (GPipe, 1F1B, interleaved 1F1B as Megatron
-orders it, zero-bubble with weight-gradient ops filling the idle slots); idle cells are the bubble.
+matplotlib is imported inside the drawing functions, so importing this module (and starting the MCP server) stays
+cheap. The memory bars use the categories of curry_train/breakdown.py, the ones the estimator and the measurement
+share. The pipeline timeline is a small discrete-event simulation of the schedule's per-rank op order (GPipe,
+1F1B, interleaved 1F1B as Megatron orders it, zero-bubble with weight-gradient ops filling the idle slots); idle
+time is the bubble.
 """
 
 from __future__ import annotations
 
-import struct
-import zlib
+import io
 from dataclasses import dataclass
+from typing import Any
 
-RGB = tuple[int, int, int]
-WHITE, BLACK, GREY, LIGHT = (255, 255, 255), (20, 20, 20), (150, 150, 150), (228, 228, 228)
-COMPONENT_COLOURS: dict[str, RGB] = {
-    "params": (66, 133, 244), "grads": (219, 68, 55), "optimizer": (244, 180, 0),
-    "activations": (15, 157, 88), "other": (171, 71, 188),
-}
-COMPONENTS = tuple(COMPONENT_COLOURS)
+from curry_train.breakdown import CATEGORIES
 
-# 5x7 glyphs, one string of 5 bits per row (upper case; lower case is drawn as upper case).
-_FONT = {
-    " ": ["00000"] * 7,
-    "A": ["01110", "10001", "10001", "11111", "10001", "10001", "10001"],
-    "B": ["11110", "10001", "10001", "11110", "10001", "10001", "11110"],
-    "C": ["01110", "10001", "10000", "10000", "10000", "10001", "01110"],
-    "D": ["11110", "10001", "10001", "10001", "10001", "10001", "11110"],
-    "E": ["11111", "10000", "10000", "11110", "10000", "10000", "11111"],
-    "F": ["11111", "10000", "10000", "11110", "10000", "10000", "10000"],
-    "G": ["01110", "10001", "10000", "10111", "10001", "10001", "01111"],
-    "H": ["10001", "10001", "10001", "11111", "10001", "10001", "10001"],
-    "I": ["01110", "00100", "00100", "00100", "00100", "00100", "01110"],
-    "J": ["00111", "00010", "00010", "00010", "00010", "10010", "01100"],
-    "K": ["10001", "10010", "10100", "11000", "10100", "10010", "10001"],
-    "L": ["10000", "10000", "10000", "10000", "10000", "10000", "11111"],
-    "M": ["10001", "11011", "10101", "10101", "10001", "10001", "10001"],
-    "N": ["10001", "10001", "11001", "10101", "10011", "10001", "10001"],
-    "O": ["01110", "10001", "10001", "10001", "10001", "10001", "01110"],
-    "P": ["11110", "10001", "10001", "11110", "10000", "10000", "10000"],
-    "Q": ["01110", "10001", "10001", "10001", "10101", "10010", "01101"],
-    "R": ["11110", "10001", "10001", "11110", "10100", "10010", "10001"],
-    "S": ["01111", "10000", "10000", "01110", "00001", "00001", "11110"],
-    "T": ["11111", "00100", "00100", "00100", "00100", "00100", "00100"],
-    "U": ["10001", "10001", "10001", "10001", "10001", "10001", "01110"],
-    "V": ["10001", "10001", "10001", "10001", "10001", "01010", "00100"],
-    "W": ["10001", "10001", "10001", "10101", "10101", "10101", "01010"],
-    "X": ["10001", "10001", "01010", "00100", "01010", "10001", "10001"],
-    "Y": ["10001", "10001", "01010", "00100", "00100", "00100", "00100"],
-    "Z": ["11111", "00001", "00010", "00100", "01000", "10000", "11111"],
-    "0": ["01110", "10001", "10011", "10101", "11001", "10001", "01110"],
-    "1": ["00100", "01100", "00100", "00100", "00100", "00100", "01110"],
-    "2": ["01110", "10001", "00001", "00010", "00100", "01000", "11111"],
-    "3": ["11111", "00010", "00100", "00010", "00001", "10001", "01110"],
-    "4": ["00010", "00110", "01010", "10010", "11111", "00010", "00010"],
-    "5": ["11111", "10000", "11110", "00001", "00001", "10001", "01110"],
-    "6": ["00110", "01000", "10000", "11110", "10001", "10001", "01110"],
-    "7": ["11111", "00001", "00010", "00100", "01000", "01000", "01000"],
-    "8": ["01110", "10001", "10001", "01110", "10001", "10001", "01110"],
-    "9": ["01110", "10001", "10001", "01111", "00001", "00010", "01100"],
-    ".": ["00000", "00000", "00000", "00000", "00000", "01100", "01100"],
-    ",": ["00000", "00000", "00000", "00000", "01100", "00100", "01000"],
-    ":": ["00000", "01100", "01100", "00000", "01100", "01100", "00000"],
-    "%": ["11000", "11001", "00010", "00100", "01000", "10011", "00011"],
-    "-": ["00000", "00000", "00000", "11111", "00000", "00000", "00000"],
-    "+": ["00000", "00100", "00100", "11111", "00100", "00100", "00000"],
-    "=": ["00000", "00000", "11111", "00000", "11111", "00000", "00000"],
-    "(": ["00010", "00100", "01000", "01000", "01000", "00100", "00010"],
-    ")": ["01000", "00100", "00010", "00010", "00010", "00100", "01000"],
-    "/": ["00000", "00001", "00010", "00100", "01000", "10000", "00000"],
-    "_": ["00000", "00000", "00000", "00000", "00000", "00000", "11111"],
-    "<": ["00010", "00100", "01000", "10000", "01000", "00100", "00010"],
-    ">": ["01000", "00100", "00010", "00001", "00010", "00100", "01000"],
-    "*": ["00000", "00100", "10101", "01110", "10101", "00100", "00000"],
-    "?": ["01110", "10001", "00001", "00010", "00100", "00000", "00100"],
-}
+# One colour per category (matplotlib's tab10 order), the same in every picture.
+COLOURS = {"params": "#1f77b4", "param_copies": "#aec7e8", "grads": "#d62728", "grad_buffers": "#ff9896",
+           "optimizer": "#ff7f0e", "activations": "#2ca02c", "loss": "#98df8a", "pp_buffers": "#17becf",
+           "other": "#9467bd"}
+DPI = 100
 
 
-class Canvas:
-    """An RGB raster with rectangles and text; `png()` encodes it."""
+def _pyplot() -> Any:
+    import matplotlib
 
-    def __init__(self, width: int, height: int, background: RGB = WHITE):
-        self.w, self.h = width, height
-        self.rows = [bytearray(bytes(background) * width) for _ in range(height)]
+    matplotlib.use("Agg", force=True)  # files only: never a window, works without a display
+    import matplotlib.pyplot as plt
 
-    def rect(self, x0: float, y0: float, x1: float, y1: float, colour: RGB) -> None:
-        xa, xb = sorted((max(0, round(x0)), min(self.w, round(x1))))
-        ya, yb = sorted((max(0, round(y0)), min(self.h, round(y1))))
-        if xb <= xa or yb <= ya:
-            return
-        span = bytes(colour) * (xb - xa)
-        for y in range(ya, yb):
-            self.rows[y][3 * xa:3 * xb] = span
-
-    def outline(self, x0: float, y0: float, x1: float, y1: float, colour: RGB = BLACK) -> None:
-        self.rect(x0, y0, x1, y0 + 1, colour)
-        self.rect(x0, y1 - 1, x1, y1, colour)
-        self.rect(x0, y0, x0 + 1, y1, colour)
-        self.rect(x1 - 1, y0, x1, y1, colour)
-
-    def text(self, x: float, y: float, s: str, colour: RGB = BLACK, scale: int = 2) -> int:
-        """Draw `s` with its top-left at (x, y); returns the width drawn in pixels."""
-        cx = int(x)
-        for ch in s.upper():
-            glyph = _FONT.get(ch, _FONT["?"])
-            for r, bits in enumerate(glyph):
-                for c, bit in enumerate(bits):
-                    if bit == "1":
-                        self.rect(cx + c * scale, y + r * scale, cx + (c + 1) * scale, y + (r + 1) * scale, colour)
-            cx += 6 * scale
-        return cx - int(x)
-
-    def png(self) -> bytes:
-        raw = b"".join(b"\x00" + bytes(row) for row in self.rows)
-
-        def chunk(kind: bytes, data: bytes) -> bytes:
-            return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
-
-        ihdr = struct.pack(">IIBBBBB", self.w, self.h, 8, 2, 0, 0, 0)  # 8-bit RGB, no interlace
-        return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(raw, 9)) + \
-            chunk(b"IEND", b"")
+    return plt
 
 
-def text_width(s: str, scale: int = 2) -> int:
-    return len(s) * 6 * scale
+def _png(fig: Any) -> bytes:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=DPI)
+    _pyplot().close(fig)
+    return buf.getvalue()
 
 
-def _mib(b: float) -> str:
-    if b >= 2**30:
-        return f"{b / 2**30:.2f} GIB"
-    return f"{b / 2**20:.2f} MIB"
+def _unit(vmax: float) -> tuple[float, str]:
+    return (2**30, "GiB") if vmax >= 2**30 else (2**20, "MiB") if vmax >= 2**20 else (2**10, "KiB")
+
+
+def layout_title(name: str, parallel: dict[str, Any]) -> str:
+    """`tiny: dp2 zero1 tp1 pp1 cp1 ep1 recompute=none`: every axis, so two pictures never look alike by accident."""
+    p = parallel
+    return (f"{name}: dp{p.get('dp', 1)} zero{p.get('zero', 0)} tp{p.get('tp', 1)} pp{p.get('pp', 1)} "
+            f"cp{p.get('cp', 1)} ep{p.get('ep', 1)} recompute={p.get('recompute', 'none')}")
+
+
+def budget_label(budget_bytes: float, usable_bytes: float | None) -> str:
+    """The one wording every picture uses for the per-rank budget line."""
+    u, unit = _unit(budget_bytes)
+    if usable_bytes is None or usable_bytes >= budget_bytes:
+        return f"budget {budget_bytes / u:.2f} {unit} per rank"
+    return f"usable {usable_bytes / u:.2f} {unit} of the {budget_bytes / u:.2f} {unit} budget per rank"
 
 
 # --------------------------------------------------------------------------------------- memory breakdown
 
 
-def memory_breakdown_png(bars: dict[str, dict[str, float]], *, title: str = "PER-RANK MEMORY",
-                         budget_bytes: float | None = None, peaks: dict[str, float] | None = None) -> bytes:
-    """Stacked bars, one per label (e.g. {"estimate": {...}, "measured": {...}}), components params..other.
+def memory_breakdown_png(bars: dict[str, dict[str, float]], *, title: str = "Per-rank memory",
+                         budget_bytes: float | None = None, usable_bytes: float | None = None,
+                         peaks: dict[str, float] | None = None) -> bytes:
+    """Stacked bars, one per label (e.g. {"estimate": {...}, "measured": {...}}), one segment per category.
 
-    `peaks` marks a peak above the stacked components (e.g. the allocator's high-water mark); `budget_bytes` draws
-    the per-rank budget as a dashed line when it is on the same scale as the bars (else it is stated in text).
+    `peaks` marks a peak above the stacked categories when they differ (e.g. the CUDA allocator's high-water mark);
+    the budget line is the usable budget (`usable_bytes`, the budget less the estimator's reserve) when given, else
+    `budget_bytes`; it is drawn when it is on the scale of the bars and stated in the legend otherwise.
     """
-    width, height = 820, 440
-    c = Canvas(width, height)
-    c.text(20, 14, title, scale=2)
-    top, bottom, left = 70, height - 50, 100
-    chart_right = left + 40 + 130 * max(1, len(bars))
-    totals = {k: sum(float(v.get(comp) or 0) for comp in COMPONENTS) for k, v in bars.items()}
+    plt = _pyplot()
+    totals = {k: sum(float(v.get(c) or 0) for c in CATEGORIES) for k, v in bars.items()}
     biggest = max([*totals.values(), *(peaks or {}).values(), 1.0])
-    show_budget = bool(budget_bytes) and budget_bytes <= 2.5 * biggest
-    vmax = max(biggest, budget_bytes if show_budget else 0) * 1.15
-    scale_y = (bottom - top) / vmax
-    c.rect(left, top, left + 1, bottom, BLACK)
-    c.rect(left, bottom, chart_right, bottom + 1, BLACK)
-    for i in range(5):  # y ticks
-        v = vmax * i / 4
-        y = bottom - v * scale_y
-        c.rect(left - 5, y, left, y + 1, BLACK)
-        c.text(left - 8 - text_width(_mib(v), 1), y - 3, _mib(v), GREY, scale=1)
-    for i, (label, comp) in enumerate(bars.items()):
-        x0 = left + 40 + i * 130
-        y = bottom
-        for name in COMPONENTS:
-            h = float(comp.get(name) or 0) * scale_y
-            c.rect(x0, y - h, x0 + 80, y, COMPONENT_COLOURS[name])
-            y -= h
-        c.outline(x0, y, x0 + 80, bottom + 1)
-        c.text(x0 + 40 - text_width(label, 1) / 2, bottom + 8, label, scale=1)
-        peak = (peaks or {}).get(label) or 0
-        if peak and abs(peak - totals[label]) > 0.005 * peak:
-            py = bottom - peak * scale_y
-            c.rect(x0 - 6, py, x0 + 86, py + 2, BLACK)
-            c.text(x0 + 40 - text_width("PEAK " + _mib(peak), 1) / 2, py - 12, "PEAK " + _mib(peak), scale=1)
-        else:
-            c.text(x0 + 40 - text_width(_mib(totals[label]), 1) / 2, y - 12, _mib(totals[label]), scale=1)
-    lx, ly = chart_right + 30, top
-    if budget_bytes:
-        note = "BUDGET " + _mib(budget_bytes) + ("" if show_budget else " (OFF SCALE)")
-        c.text(lx, ly, note, (200, 0, 0), scale=1)
-        ly += 24
-    if show_budget:
-        by = bottom - budget_bytes * scale_y
-        for x in range(left, chart_right, 10):
-            c.rect(x, by, x + 6, by + 2, (200, 0, 0))
+    line = usable_bytes if usable_bytes is not None else budget_bytes
+    show_line = bool(line) and line <= 2.5 * biggest
+    div, unit = _unit(max(biggest, line if show_line else 0))
+    fig, ax = plt.subplots(figsize=(9, 5.2))
     labels = list(bars)
-    c.text(lx + 110, ly, "".join(f"{lab[:10]:>11}" for lab in labels), scale=1)
-    ly += 18
-    for name in reversed(COMPONENTS):
-        c.rect(lx, ly, lx + 14, ly + 14, COMPONENT_COLOURS[name])
-        c.text(lx + 20, ly + 4, name, scale=1)
-        c.text(lx + 110, ly + 4, "".join(f"{_mib(float(bars[lab].get(name) or 0)):>11}" for lab in labels), scale=1)
-        ly += 24
-    c.text(lx + 20, ly + 4, "TOTAL", scale=1)
-    c.text(lx + 110, ly + 4, "".join(f"{_mib(totals[lab]):>11}" for lab in labels), scale=1)
-    return c.png()
+    for cat in CATEGORIES:
+        if not any(float(bars[k].get(cat) or 0) for k in labels):
+            continue  # a category nothing holds stays out of the legend
+        bottoms = [sum(float(bars[k].get(c) or 0) for c in CATEGORIES[:CATEGORIES.index(cat)]) / div for k in labels]
+        ax.bar(labels, [float(bars[k].get(cat) or 0) / div for k in labels], bottom=bottoms, width=0.5,
+               color=COLOURS[cat], label=cat, edgecolor="white", linewidth=0.5)
+    for i, k in enumerate(labels):
+        peak = (peaks or {}).get(k) or 0
+        if peak and abs(peak - totals[k]) > 0.005 * peak:
+            ax.hlines(peak / div, i - 0.3, i + 0.3, colors="black", linewidth=2)
+            ax.annotate(f"peak {peak / div:.2f} {unit}", (i, peak / div), textcoords="offset points",
+                        xytext=(0, 4), ha="center", fontsize=9)
+        else:
+            ax.annotate(f"{totals[k] / div:.2f} {unit}", (i, totals[k] / div), textcoords="offset points",
+                        xytext=(0, 4), ha="center", fontsize=9)
+    if budget_bytes:
+        text = budget_label(budget_bytes, usable_bytes)
+        if show_line:
+            ax.axhline(line / div, color="#c00000", linestyle="--", linewidth=1.2, label=text)
+        else:
+            ax.plot([], [], " ", label=f"{text} (off scale)")
+    ax.set_ylabel(f"bytes per rank ({unit})")
+    ax.set_ylim(0, max(biggest, line if show_line else 0) / div * 1.15)
+    ax.set_title(title, fontsize=11)
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=9, frameon=False)
+    fig.tight_layout()
+    return _png(fig)
 
 
 # --------------------------------------------------------------------------------------- pipeline timeline
@@ -310,37 +221,35 @@ def simulate_pipeline(p: int, m: int, schedule: str = "1f1b", v: int = 1, *, t_f
 
 
 def pipeline_timeline_png(p: int, m: int, schedule: str = "1f1b", v: int = 1) -> bytes:
-    """Ranks as rows, time left to right: forward, backward, weight-grad blocks; grey gaps are the bubble."""
+    """Ranks as rows, time left to right: forward, backward and weight-grad blocks; gaps are the bubble."""
+    from matplotlib.patches import Patch
+
+    plt = _pyplot()
     tl = simulate_pipeline(p, m, schedule, v)
-    width = 900
-    row_h, top, left = 34, 70, 90
-    height = top + p * row_h + 70
-    c = Canvas(width, height)
-    c.text(16, 12, f"{schedule} PP={p} V={v} M={m}", scale=2)
-    c.text(16, 38, f"BUBBLE {tl.bubble_fraction * 100:.1f}% SIMULATED (TEXTBOOK (P-1)/(V*M) GIVES "
-                   f"{tl.analytic_bubble * 100:.1f}%)", GREY, scale=1)
-    sx = (width - left - 20) / tl.makespan
-    fcol = [(66, 133, 244), (120, 170, 250), (30, 90, 200), (150, 190, 255)]
-    bcol = [(15, 157, 88), (90, 200, 140), (10, 110, 60), (140, 220, 170)]
+    fig, ax = plt.subplots(figsize=(10, 1.2 + 0.55 * p))
+    fcol = ["#1f77b4", "#6baed6", "#08519c", "#9ecae1"]
+    bcol = ["#2ca02c", "#74c476", "#006d2c", "#a1d99b"]
     for r in range(p):
-        y = top + r * row_h
-        c.rect(left, y + 4, left + tl.makespan * sx, y + row_h - 4, LIGHT)
-        c.text(10, y + 12, f"RANK {r}", scale=1)
+        ax.broken_barh([(0, tl.makespan)], (r - 0.4, 0.8), facecolors="#eeeeee")
         for op in tl.ops[r]:
             chunk = op.stage // p
-            colour = (fcol if op.kind == "F" else bcol)[chunk % 4] if op.kind != "W" else (0, 150, 160)
-            x0, x1 = left + op.start * sx, left + op.end * sx
-            c.rect(x0, y + 4, x1, y + row_h - 4, colour)
-            c.outline(x0, y + 4, x1 + 1, y + row_h - 4, WHITE)
-            if x1 - x0 >= 14:
-                c.text(x0 + 3, y + 12, f"{op.kind}{op.mb}", WHITE, scale=1)
-    ly = top + p * row_h + 20
-    x = left
-    for label, colour in (("FORWARD", fcol[0]), ("BACKWARD", bcol[0]), ("WEIGHT GRAD", (0, 150, 160)),
-                          ("IDLE = BUBBLE", LIGHT)):
-        c.rect(x, ly, x + 14, ly + 14, colour)
-        x += 20 + c.text(x + 20, ly + 3, label, scale=1) + 20
-    return c.png()
+            colour = "#17becf" if op.kind == "W" else (fcol if op.kind == "F" else bcol)[chunk % 4]
+            ax.broken_barh([(op.start, op.end - op.start)], (r - 0.4, 0.8), facecolors=colour, edgecolor="white")
+            if (op.end - op.start) / tl.makespan > 0.012:
+                ax.text((op.start + op.end) / 2, r, f"{op.kind}{op.mb}", ha="center", va="center", fontsize=7,
+                        color="white")
+    ax.set_yticks(range(p), [f"rank {r}" for r in range(p)])
+    ax.invert_yaxis()
+    ax.set_xlim(0, tl.makespan)
+    ax.set_xlabel("time (forward = 1 unit, backward = 2 units)")
+    ax.set_title(f"{schedule}, pp={p}, virtual stages={v}, micro-batches={m}: bubble "
+                 f"{tl.bubble_fraction * 100:.1f}% simulated (textbook (p-1)/(v*m): {tl.analytic_bubble * 100:.1f}%)",
+                 fontsize=10)
+    handles = [Patch(color=fcol[0], label="forward"), Patch(color=bcol[0], label="backward"),
+               Patch(color="#17becf", label="weight grad"), Patch(color="#eeeeee", label="idle = bubble")]
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
+    fig.tight_layout()
+    return _png(fig)
 
 
 def main(argv: list[str] | None = None) -> int:

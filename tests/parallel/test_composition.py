@@ -7,9 +7,9 @@ import pytest
 from curry_train.config import load_config
 from curry_train.validation.whitebox import whitebox_batch
 
-from tests.conftest import REPO
+from tests.conftest import PRESETS
 
-TINY = REPO / "configs" / "tiny.yaml"
+TINY = PRESETS / "tiny.yaml"
 pytestmark = pytest.mark.multirank
 
 PP2_DP2 = {"parallel.pp": 2, "parallel.dp": 2, "train.global_batch": 16}  # 4 micro-batches per dp rank

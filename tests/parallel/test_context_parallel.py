@@ -13,8 +13,8 @@ import pytest
 import torch
 from curry_train.config import load_config
 from curry_train.model.data import cp_positions
-from curry_train.train.launch import launch_forkserver
 from curry_train.parallel.context_parallel import attention_work, plan_blocks
+from curry_train.train.launch import launch_forkserver
 from curry_train.validation.whitebox import whitebox_batch
 
 pytestmark = pytest.mark.timeout(300)
@@ -54,7 +54,7 @@ def test_head_tail_layout_balances_attention_work_and_contiguous_does_not():
 
 
 def _saved_bytes(model, fn) -> int:
-    """Bytes of the distinct non-parameter storages autograd saves during fn() (torch-cpu-distributed.md 9b)."""
+    """Bytes of the distinct non-parameter storages autograd saves during fn() (docs/CPU-DISTRIBUTED.md)."""
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     seen: dict[int, int] = {}
 

@@ -17,6 +17,8 @@ from curry_train.config import load_config
 from curry_train.train.launch import launch_forkserver
 from curry_train.validation.whitebox import whitebox_batch
 
+from tests.conftest import PRESETS
+
 pytestmark = pytest.mark.timeout(300)
 
 
@@ -132,3 +134,17 @@ def test_zero1_with_sharded_experts_is_refused_before_launch():
     with pytest.raises(ConfigError) as e:
         load_config("configs/tiny-moe.yaml", {"parallel.dp": 2, "parallel.ep": 2, "parallel.zero": 1})
     assert {"parallel.zero", "parallel.ep"} <= {f for p in e.value.problems for f in p.fields}
+
+
+# PP x MoE: the config accepts it only with the router's auxiliary losses off (the schedule's loss sees only the
+# last stage's output, config.py's rule); README claims a white-box test for every accepted combination.
+PP_MOE = [
+    {"parallel.pp": 2, "model.aux_loss_coef": 0.0, "model.z_loss_coef": 0.0},  # 1F1B
+    {"parallel.pp": 2, "model.aux_loss_coef": 0.0, "model.z_loss_coef": 0.0, "parallel.pp_schedule": "gpipe",
+     "model.capacity_factor": 1.0},  # GPipe, with token dropping
+]
+
+
+def test_whitebox_pipeline_with_moe_two_ranks(tmp_path):
+    cfgs = [load_config(PRESETS / "tiny-moe.yaml", o) for o in PP_MOE]
+    _assert_passed(PP_MOE, whitebox_batch(cfgs, steps=2, out_dir=tmp_path))

@@ -9,9 +9,9 @@ from curry_train.model.gpt import build_model
 from curry_train.parallel.pipeline import build_stage_module, schedule_name, stage_ids, stage_layers
 from curry_train.validation.whitebox import whitebox_batch
 
-from tests.conftest import REPO
+from tests.conftest import PRESETS
 
-TINY = REPO / "configs" / "tiny.yaml"
+TINY = PRESETS / "tiny.yaml"
 
 TWO_RANKS = [
     {"parallel.pp": 2, "parallel.pp_schedule": "gpipe"},

@@ -7,15 +7,15 @@ from __future__ import annotations
 import pytest
 import torch
 from curry_train.config import load_config
-from curry_train.model.data import global_batch, micro_batches
 from curry_train.measure.memory import _is_recomputing, measure_memory
+from curry_train.model.data import global_batch, micro_batches
 from curry_train.model.gpt import build_model, lm_loss
 from curry_train.parallel.recompute import apply_recompute
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from tests.conftest import REPO
+from tests.conftest import PRESETS
 
-TINY = REPO / "configs" / "tiny.yaml"
+TINY = PRESETS / "tiny.yaml"
 F32 = 4
 aten = torch.ops.aten
 

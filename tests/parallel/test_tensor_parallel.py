@@ -11,9 +11,9 @@ from curry_train.config import ConfigError, load_config
 from curry_train.train.launch import launch_forkserver
 from curry_train.validation.whitebox import whitebox_batch
 
-from tests.conftest import REPO
+from tests.conftest import PRESETS
 
-TINY = REPO / "configs" / "tiny.yaml"
+TINY = PRESETS / "tiny.yaml"
 pytestmark = pytest.mark.multirank
 
 TWO_RANKS = [
@@ -45,7 +45,7 @@ def test_tp_and_sp_on_two_ranks_match_the_reference(tmp_path):
 
 def test_tp_on_a_moe_model_splits_attention_and_replicates_experts(tmp_path):
     moe = [{"parallel.tp": 2}, {"parallel.tp": 2, "parallel.sp": True}]
-    cfgs = [load_config(REPO / "configs" / "tiny-moe.yaml", o) for o in moe]
+    cfgs = [load_config(PRESETS / "tiny-moe.yaml", o) for o in moe]
     for o, v in zip(moe, whitebox_batch(cfgs, steps=2, out_dir=tmp_path)):
         assert v.passed, (o, v.failures, v.worst_parameter)
 

@@ -11,10 +11,10 @@ import pytest
 from curry_train.config import load_config
 from curry_train.validation.whitebox import whitebox_batch
 
-from tests.conftest import REPO
+from tests.conftest import PRESETS
 
-TINY = REPO / "configs" / "tiny.yaml"
-TINY_MOE = REPO / "configs" / "tiny-moe.yaml"
+TINY = PRESETS / "tiny.yaml"
+TINY_MOE = PRESETS / "tiny-moe.yaml"
 pytestmark = pytest.mark.multirank
 MATRIX = [{"parallel.zero": z, "parallel.recompute": r} for z in (1, 2, 3) for r in ("none", "selective", "full")]
 

@@ -24,6 +24,8 @@ from mcp import Client
 from mcp.client.streamable_http import streamable_http_client
 from rel_support import SERVER, server_env
 
+from tests.conftest import shipped_configs
+
 pytestmark = pytest.mark.slow
 
 TOKEN_ENV = "CURRY_TRAIN_TEST_TOKEN"
@@ -55,7 +57,7 @@ def _listening_addresses(port: int) -> set[str]:
 @pytest.fixture(scope="module")
 def token_server(tmp_path_factory):
     project = tmp_path_factory.mktemp("http")
-    (project / "configs").symlink_to(Path(__file__).resolve().parents[2] / "configs")
+    shipped_configs(project / "configs")  # a copy: the server never sees the checkout's configs/
     (project / "runs").mkdir()
     token = secrets.token_urlsafe(32)
     port = _free_port()

@@ -11,18 +11,19 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import stat
 from pathlib import Path
 
 import pytest
-from curry_train.store.configs import update_config
 from curry_train.paths import RESERVED, UnsafeName, atomic_write_text, check_name, config_path, run_dir
+from curry_train.store.configs import update_config
 from curry_train_mcp.server import mcp
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from mcp import Client
-from rel_support import REPO, text_of
+from rel_support import text_of
+
+from tests.conftest import PRESETS, shipped_configs
 
 ATTACK_NAMES = ["../x", "../../outside/owned", "../outside/owned", "/tmp/owned", "a/b", "a\\b", "x\x00y", "\x00",
                 "x" * 65, "x" * 10_000, "con", "CON", "con.yaml", "NUL", "aux.txt", "com1", "LPT9", "tiny\n", "\ntiny",
@@ -49,10 +50,10 @@ def walled(tmp_path: Path, monkeypatch) -> tuple[Path, Path]:
     """outer/project (configs + runs) and outer/outside, with symlinks from the project pointing outside."""
     outer = tmp_path / "outer"
     project, outside = outer / "project", outer / "outside"
-    shutil.copytree(REPO / "configs", project / "configs")
+    shipped_configs(project / "configs")
     (project / "runs").mkdir()
     outside.mkdir()
-    (outside / "target.yaml").write_text((REPO / "configs" / "tiny.yaml").read_text(encoding="utf-8"))
+    (outside / "target.yaml").write_text((PRESETS / "tiny.yaml").read_text(encoding="utf-8"))
     (outside / "secret.txt").write_text("not for the model\n")
     (outside / "rundir").mkdir()
     (outside / "rundir" / "memory.png").write_bytes(b"\x89PNG\r\n\x1a\nsecret")
@@ -98,7 +99,7 @@ async def test_no_tool_or_resource_writes_or_reads_outside_the_project(walled):
     changed = {k for k in set(before) | set(after) if before.get(k) != after.get(k)}
     allowed = {k for k in changed if k.startswith("project/runs/ledger.sqlite3") or k == "project/runs"}
     assert changed == allowed, f"written outside the ledger: {sorted(changed - allowed)}"
-    assert (outer / "outside" / "target.yaml").read_bytes() == (REPO / "configs" / "tiny.yaml").read_bytes()
+    assert (outer / "outside" / "target.yaml").read_bytes() == (PRESETS / "tiny.yaml").read_bytes()
 
 
 @pytest.mark.anyio

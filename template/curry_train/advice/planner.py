@@ -1,14 +1,16 @@
-"""Plan a layout for a model on a cluster: climb the ladder rung by rung, and rank every valid N-D layout.
+"""Plan a layout for a model on a cluster: rank every layout that may launch, pick the one a careful engineer
+would run, and tell the climb to it one rung at a time.
 
-    curry-train plan --model llama3-70b --gpus-per-node 8 --nodes 4 --gpu-memory-gib 80 --seq-len 4096 --json
+    curry-train plan --model llama3-70b --gpus-per-node 8 --nodes 32 --gpu A100-80 --seq-len 8192 --json
     python -c "from curry_train.advice.planner import plan; print(plan('llama3-8b', 8, 1, 80.0, 8192, 512).final)"
 
-`plan()` starts from plain data parallelism over the cluster (DDP, no recompute, micro-batch 1) and asks the
-advisor for one rung at a time, recording each rung with its estimate, until the layout fits (within the
-estimator's reserve, and `margin` more if asked) and is not communication-bound. It then enumerates every valid
-layout of the same cluster (tp x cp x pp x dp = GPUs, each pipeline schedule, ZeRO stage, recompute mode and,
-for MoE, expert-parallel size; the config's own validation rules) and ranks the ones that fit by estimated step
-time. Pure arithmetic on the estimator's fast path: well under a second for 16,384 GPUs.
+`plan()` enumerates every valid layout of the cluster (advice/search.py: tp x cp x pp x dp, the pipeline schedule
+and virtual stages, ZeRO stage, recompute, micro-batch, for MoE expert parallelism), keeps those that fit, labels
+each with its anti-patterns (curry_train/rules.py) and picks `final`: the layout with the fewest and lightest
+primitives, in the ladder's order, among the clean fitting layouts within 10% of the fastest clean one, using
+the most GPUs. `rungs` then climbs from plain data parallelism to `final`, one primitive per rung in the
+ladder's order (ZeRO, recompute, TP, PP, EP, CP), each with its estimate. When nothing fits, `min_nodes_to_fit`
+is the smallest cluster of the same node type on which the search finds a layout.
 """
 
 from __future__ import annotations
@@ -19,18 +21,11 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from curry_train.config import Config, ConfigError, ModelConfig, ParallelConfig, check, from_dict, load_yaml
-from curry_train.estimator import (
-    GiB,
-    _layout,
-    _replace,
-    _states,
-    estimate,
-    quick_layout,
-    reserve_bytes,
-    resolve_hardware,
-    stage_ids,
-)
+from curry_train.advice.search import Row, choose, label, min_nodes_to_fit, search
+from curry_train.config import Config, ModelConfig, from_dict, load_yaml
+from curry_train.estimator import GiB, estimate, resolve_hardware
+from curry_train.estimator.profiles import check_cluster, get_profile
+from curry_train.rules import tp_blocked_by_vocab, vocab_pad_hint
 
 
 class Rung(BaseModel):
@@ -50,27 +45,44 @@ class Rung(BaseModel):
 
 class RankedLayout(BaseModel):
     parallel: dict[str, Any]
+    micro_batch: int = Field(description="train.micro_batch of this layout.")
+    gpus_used: int
     total_gib: float = Field(description="Estimated per-rank peak (largest rank).")
     step_time_s: float
     mfu: float
     comm_fraction: float
+    anti_patterns: list[str] = Field(default_factory=list, description="Ids of the anti-patterns (rules.py); "
+                                     "empty when clean. A row with one is never `final`.")
 
 
 class Plan(BaseModel):
-    """The climb, the chosen parallel section, and the ranking of every layout that fits."""
+    """The chosen layout, the climb to it, and the ranking of the layouts that fit."""
 
     model: str
     gpus: int
     gpus_per_node: int
     nodes: int
     gpu_memory_gib: float
+    gpu_profile: str = Field(description="The hardware profile the estimates used (speed).")
+    hardware_note: str = Field("", description="Which profile and budget, and why.")
     seq_len: int
     global_batch: int
-    micro_batch: int
+    micro_batch: int = Field(description="The final layout's micro-batch.")
     rungs: list[Rung]
-    final: dict[str, Any] = Field(description="The parallel section the climb ends on (config keys).")
-    fits: bool = Field(description="Whether the final layout fits with margin.")
+    final: dict[str, Any] = Field(description="The parallel section to run (config keys).")
+    final_patch: dict[str, Any] = Field(default_factory=dict, description="Dotted keys (parallel.* and "
+                                        "train.micro_batch) that turn a config of this model into `final`.")
+    final_step_time_s: float | None = None
+    fastest_clean_step_time_s: float | None = Field(None, description="The fastest fitting layout without an "
+                                                    "anti-pattern; final is within 10% of it.")
+    final_anti_patterns: list[str] = Field(default_factory=list)
+    gpus_used: int = Field(description="GPUs the final layout uses.")
+    idle_reason: str | None = Field(None, description="Why some GPUs idle, when they do.")
+    fits: bool = Field(description="Whether any layout fits (then final is one).")
     more_gpus_needed: bool
+    min_nodes_to_fit: int | None = Field(None, description="When nothing fits: the smallest node count of this "
+                                         "node type on which a layout fits (None when none up to 131,072 GPUs).")
+    hints: list[str] = Field(default_factory=list, description="What would open more layouts (vocabulary padding).")
     ranked: list[RankedLayout] = Field(description="The fastest layouts that fit, best first.")
     layouts_valid: int = Field(description="Valid layouts enumerated (config rules).")
     layouts_fitting: int
@@ -98,165 +110,188 @@ def _model_section(model: str | dict[str, Any], root: str | Path | None) -> tupl
     return path.stem, dict(raw.get("model") or {}), dict(raw.get("train") or {})
 
 
+def _dp_for(world_left: int, gb: int, mb: int) -> int:
+    """The largest data-parallel size <= world_left whose replicas split the global batch into micro-batches."""
+    return max((d for d in range(1, world_left + 1) if gb % (d * mb) == 0), default=1)
+
+
 def _base(model_sec: dict[str, Any], train_sec: dict[str, Any], gpus_per_node: int, nodes: int,
           gpu_memory_gib: float, seq_len: int | None, global_batch: int | None, micro_batch: int,
-          dtype: str) -> Config:
+          dtype: str, device: str) -> Config:
     """Plain data parallelism over as many of the GPUs as the global batch can feed."""
     world = gpus_per_node * nodes
     seq = int(seq_len or train_sec.get("seq_len") or 4096)
     gb = int(global_batch or train_sec.get("global_batch") or world)
-    fits = [d for d in range(1, world + 1) if world % d == 0 and gb % (d * micro_batch) == 0]
-    if not fits:
-        raise ValueError(f"global_batch={gb} is not a multiple of micro_batch={micro_batch}")
-    dp = max(fits)
+    if gb % micro_batch:
+        raise ValueError(f"global_batch={gb} is not a multiple of micro_batch={micro_batch}; use a global_batch "
+                         f"divisible by {micro_batch}")
     raw = {"model": model_sec,
            "train": {"seq_len": seq, "global_batch": gb, "micro_batch": micro_batch, "dtype": dtype,
                      "lr": train_sec.get("lr", 3e-4), "weight_decay": train_sec.get("weight_decay", 0.0)},
-           "parallel": {"dp": dp},
-           "hardware": {"device": "cuda", "gpus_per_node": gpus_per_node, "nodes": nodes,
+           "parallel": {"dp": _dp_for(world, gb, micro_batch)},
+           "hardware": {"device": device, "gpus_per_node": gpus_per_node, "nodes": nodes,
                         "gpu_memory_gib": gpu_memory_gib}}
     return from_dict(raw)
 
 
-# ----------------------------------------------------------------------------------------------- enumeration
+# ----------------------------------------------------------------------------------------------- the climb
+
+_ADDS = (("zero", ("zero",)), ("recompute", ("recompute",)), ("tp", ("tp", "sp")),
+         ("pp", ("pp", "pp_schedule", "pp_virtual")), ("ep", ("ep",)), ("cp", ("cp", "sp")))
+_ZERO_WHAT = {1: "optimizer state", 2: "optimizer state and gradients", 3: "parameters, gradients and optimizer "
+              "state"}
 
 
-def _pow2_upto(n: int) -> list[int]:
-    out, k = [], 1
-    while k <= n:
-        out.append(k)
-        k *= 2
-    return out
+def _what(prim: str, par: dict[str, Any], mb: int) -> str:
+    """What a rung adds, in words generated from the values it sets."""
+    if prim == "baseline":
+        return f"plain data parallel, dp={par['dp']} (DDP, no recompute, micro-batch {mb})"
+    if prim.startswith("zero"):
+        return f"ZeRO-{par['zero']} shards the {_ZERO_WHAT[par['zero']]} over dp*cp={par['dp'] * par['cp']} ranks"
+    if prim == "recompute":
+        return f"{par['recompute']} activation recompute"
+    if prim == "tp":
+        return f"tensor parallel {par['tp']} inside a node{' + sequence parallel' if par['sp'] else ''} (dp={par['dp']})"
+    if prim == "pp":
+        return (f"pipeline parallel {par['pp']} across nodes ({par['pp_schedule']}, {par['pp_virtual']} virtual "
+                f"stage(s) per rank; dp={par['dp']})")
+    if prim == "ep":
+        return f"expert parallel {par['ep']}"
+    return f"context parallel {par['cp']} (dp={par['dp']})"
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+def _climb(base: Config, target: dict[str, Any], mb: int, hw: Any, probe: Any, margin: float) -> list[Rung]:
+    """From plain DP to `target`, one primitive per rung in the ladder's order, each with its estimate."""
+    t, h = base.train, base.hardware
+    world = h.gpus_per_node * h.nodes
+    par = {**base.parallel.model_dump(), "zero": 0, "recompute": "none", "tp": 1, "sp": False, "pp": 1,
+           "pp_schedule": "1f1b", "pp_virtual": 1, "ep": 1, "cp": 1}
+    steps = [("baseline", par)]
+    for prim, keys in _ADDS:
+        if target[keys[0]] == par[keys[0]]:
+            continue
+        par = {**par, **{k: target[k] for k in keys}}
+        par["dp"] = _dp_for(world // (par["tp"] * par["pp"] * par["cp"]), t.global_batch, mb)
+        steps.append((f"zero{par['zero']}" if prim == "zero" else prim, par))
+    steps[-1] = (steps[-1][0], dict(target))  # the climb ends at final
+    rungs: list[Rung] = []
+    prev = None
+    for i, (prim, pr) in enumerate(steps):
+        cfg = from_dict({**base.to_dict(), "parallel": pr, "train": {**base.to_dict()["train"], "micro_batch": mb}},
+                        validate=False)
+        e = estimate(cfg, hardware=hw, probe=probe)
+        usable = e.usable_bytes * (1 - margin)
+        text = _what(prim, pr, mb) + f": peak {e.memory.total / GiB:.1f} GiB"
+        if prev is not None:
+            text += f" (was {prev.memory.total / GiB:.1f}), step {e.step_time.total_s:.3g} s (was " \
+                    f"{prev.step_time.total_s:.3g})"
+        else:
+            text += f", step {e.step_time.total_s:.3g} s"
+        text += f"; usable {usable / GiB:.1f} GiB: {'fits' if e.memory.total <= usable else 'over'}"
+        rungs.append(Rung(step=i, primitive=prim, reason=text, parallel=pr, memory_gib=e.memory.gib(),
+                          total_bytes=e.memory.total, fits=e.memory.total <= usable, step_time_s=e.step_time.total_s,
+                          mfu=e.step_time.mfu, comm_fraction=e.step_time.comm_fraction))
+        prev = e
+    return rungs
 
 
-def enumerate_layouts(cfg: Config, *, hardware: Any = None, margin: float = 0.0, top: int = 10,
-                      probe: dict[str, Any] | None = None) -> tuple[list[RankedLayout], int, int]:
-    """(the `top` fastest fitting layouts, valid layouts, fitting layouts) over all GPUs of cfg.hardware.
+def _idle_reason(final: Row, rows: list[Row], world: int, gb: int) -> str | None:
+    """Why `final` leaves GPUs idle, from the values that decide it."""
+    f, mb = final.parallel, final.micro_batch
+    if final.gpus_used == world:
+        return None
+    shape = f["tp"] * f["pp"] * f["cp"]
+    dp_max = world // shape
+    full = [r for r in rows if r.gpus_used == world]
+    if full:
+        best = min(full, key=lambda r: (bool(r.anti), r.step_s))
+        why = f"anti-pattern {', '.join(best.anti)}" if best.anti else f"{best.step_s:.3g} s per step"
+        return (f"{final.gpus_used} of {world} GPUs: the best layout on all {world} GPUs has {why} against "
+                f"{final.step_s:.3g} s here")
+    if world % shape:
+        return f"tp*pp*cp = {shape} does not divide the {world} GPUs; {final.gpus_used} are used"
+    if gb // mb < dp_max:
+        return (f"global_batch {gb} / micro_batch {mb} allows at most {gb // mb} data-parallel replicas, and "
+                f"tp*pp*cp = {shape} leaves room for {dp_max}; raise global_batch or add TP/PP")
+    return (f"global_batch {gb} does not split over the {dp_max} data-parallel replicas that tp*pp*cp = {shape} "
+            f"leaves (dp={f['dp']} is the largest that does: {final.gpus_used} of {world} GPUs); use a global_batch "
+            f"divisible by {dp_max * mb} or a tp/pp that divides it")
 
-    Shapes tp x cp x pp x dp = GPUs (tp within a node); per shape every schedule (pp > 1), ZeRO stage and, for
-    MoE, ep; recompute is tried none -> selective -> full and the first that fits is kept (recompute only adds
-    FLOPs, so a later mode that fits is never faster). Validity: config.check's rules."""
-    hw = resolve_hardware(cfg, hardware, probe)
-    x0 = _layout(cfg)
-    m, t = cfg.model, cfg.train
-    world = cfg.hardware.gpus_per_node * cfg.hardware.nodes
-    tps = [d for d in _pow2_upto(cfg.hardware.gpus_per_node)
-           if d == 1 or all(v % d == 0 for v in (m.n_heads, m.n_kv_heads, m.vocab_size, m.d_ff))]
-    if m.num_experts:
-        tps = [1]  # TP only splits attention on a MoE model (experts stay replicated): EP is the rung
-    cps = [c for c in _pow2_upto(world) if t.seq_len % (2 * c) == 0 or c == 1]
-    # PP only across nodes (stage-4 anti-pattern "PP at single-node": the bubble is not worth it over NVLink)
-    pps = [p for p in _divisors(m.n_layers) if world % p == 0] if cfg.hardware.nodes > 1 else [1]
-    probe_cfg = cfg.model_copy()  # its parallel section is swapped per candidate, without re-validation
-    usable = int(cfg.hardware.gpu_memory_gib * GiB) - reserve_bytes(cfg)
-    valid = fitting = 0
-    found: list[tuple[float, RankedLayout]] = []
-    for tp in tps:
-        for cp in cps:
-            for pp in pps:
-                if world % (tp * cp * pp):
-                    continue
-                dp = world // (tp * cp * pp)
-                if t.global_batch % (dp * t.micro_batch):
-                    continue
-                mcount = t.global_batch // (dp * t.micro_batch)
-                schedules = [("1f1b", 1)] if pp == 1 else [("gpipe", 1), ("1f1b", 1)]
-                if pp > 1 and m.n_layers % (2 * pp) == 0 and mcount % pp == 0:
-                    schedules += [("interleaved_1f1b", 2), ("zero_bubble", 2)]
-                if pp > 1 and mcount < pp:
-                    continue
-                eps = [1]
-                if m.num_experts:
-                    eps = [e for e in _divisors(m.num_experts) if dp % e == 0]
-                for sched, v in schedules:
-                    for ep in eps:
-                        for zero in (0, 1, 2, 3):
-                            sp = tp > 1 and cp == 1  # SP with TP, except under CP (both shard the sequence)
-                            par = {"dp": dp, "zero": zero, "recompute": "none", "tp": tp, "sp": sp, "pp": pp,
-                                   "pp_schedule": sched, "pp_virtual": v, "ep": ep, "cp": cp}
-                            # config.check's rules decide validity (recompute never changes it)
-                            object.__setattr__(probe_cfg, "parallel", ParallelConfig.model_construct(**par))
-                            if check(probe_cfg):
-                                continue
-                            valid += 1
-                            x = _replace(x0, dp=dp, zero=zero, recompute="none", tp=tp, sp=sp, pp=pp,
-                                         schedule=sched, v=v, ep=ep, cp=cp)
-                            st = _states(x, stage_ids(x, 0))
-                            if st.params + st.opt > usable:  # model states alone overflow: no recompute helps
-                                continue
-                            for rc in ("none", "selective", "full"):
-                                x = _replace(x0, dp=dp, zero=zero, recompute=rc, tp=tp, sp=sp, pp=pp,
-                                             schedule=sched, v=v, ep=ep, cp=cp)
-                                q = quick_layout(x, hw)
-                                if q.total <= q.usable * (1 - margin):
-                                    fitting += 1
-                                    # ties (compute-bound layouts) go to the simpler layout: fewer and lighter
-                                    # primitives, CP and PP last (the ladder's order)
-                                    simple = (cp > 1) * 8 + (pp > 1) * 4 + (ep > 1) * 2 + (tp > 1) * 2 + zero \
-                                        + {"none": 0, "selective": 1, "full": 2}[rc]
-                                    found.append(((round(q.step_s, 3 - len(str(int(q.step_s)))), simple),
-                                                  RankedLayout(parallel={**par, "recompute": rc},
-                                                               total_gib=round(q.total / GiB, 3),
-                                                               step_time_s=q.step_s, mfu=round(q.mfu, 4),
-                                                               comm_fraction=round(q.comm_fraction, 4))))
-                                    break  # a heavier recompute mode only adds FLOPs
-    found.sort(key=lambda f: f[0])
-    return [f[1] for f in found[:top]], valid, fitting
+
+def _heaviest(base: Config) -> dict[str, Any]:
+    """When nothing fits: the most memory-saving layout of the ladder without PP/CP (ZeRO-3, full recompute, the
+    widest TP), the climb's end."""
+    from curry_train.rules import tp_sizes
+
+    h, t = base.hardware, base.train
+    tp = max(tp_sizes(base.model, h.gpus_per_node))
+    dp = _dp_for(h.gpus_per_node * h.nodes // tp, t.global_batch, t.micro_batch)
+    return {**base.parallel.model_dump(), "dp": dp, "zero": 3 if dp > 1 else 0, "recompute": "full", "tp": tp,
+            "sp": tp > 1}
 
 
 # ----------------------------------------------------------------------------------------------- the plan
 
 
-def _rung(step: int, primitive: str, reason: str, cfg: Config, hardware: Any, probe: Any, margin: float) -> Rung:
-    e = estimate(cfg, hardware=hardware, probe=probe)
-    return Rung(step=step, primitive=primitive, reason=reason, parallel=cfg.parallel.model_dump(),
-                memory_gib=e.memory.gib(), total_bytes=e.memory.total,
-                fits=e.memory.total <= e.usable_bytes * (1 - margin), step_time_s=e.step_time.total_s,
-                mfu=e.step_time.mfu, comm_fraction=e.step_time.comm_fraction)
+def _ranked(r: Row) -> RankedLayout:
+    return RankedLayout(parallel=r.parallel, micro_batch=r.micro_batch, gpus_used=r.gpus_used,
+                        total_gib=round(r.total / GiB, 3), step_time_s=r.step_s, mfu=round(r.mfu, 4),
+                        comm_fraction=round(r.comm_fraction, 4), anti_patterns=r.anti)
 
 
-def plan(model: str | dict[str, Any], gpus_per_node: int = 8, nodes: int = 1, gpu_memory_gib: float = 80.0,
+def plan(model: str | dict[str, Any], gpus_per_node: int = 8, nodes: int = 1, gpu_memory_gib: float | None = None,
          seq_len: int | None = None, global_batch: int | None = None, *, micro_batch: int = 1,
-         dtype: str = "bfloat16", margin: float = 0.0, hardware: str | None = None, top: int = 10,
-         max_rungs: int = 16, probe: dict[str, Any] | None = None, root: str | Path | None = None) -> Plan:
-    """Climb from plain DP to a layout that fits and is not comm-bound, and rank every valid layout.
+         dtype: str = "bfloat16", margin: float = 0.0, hardware: str | None = None, gpu: str | None = None,
+         top: int = 10, probe: dict[str, Any] | None = None, root: str | Path | None = None) -> Plan:
+    """Rank every layout of the cluster, pick `final`, and climb to it.
 
     `model` names a config in configs/ (its model section, and its seq_len/global_batch when not given) or is
-    an inline model section dict. `margin` keeps that fraction of the usable memory free on top of the
-    estimator's reserve."""
-    from curry_train.advice.advisor import recommend_next
-
+    an inline model section dict. `gpu` (A100-40, A100-80, H100, H200, B200, MI300X, L40S, CPU) sets the speed
+    and the memory budget (capped by gpu_memory_gib when that is smaller); `hardware` names a speed profile only.
+    `micro_batch` is where the micro-batch search starts being allowed (the search tries the powers of two that
+    divide the per-rank batch and this one). `margin` keeps that fraction of the usable memory free on top of
+    the estimator's reserve."""
     t0 = time.perf_counter()
+    check_cluster(gpus_per_node=gpus_per_node, nodes=nodes, seq_len=seq_len, gpu_memory_gib=gpu_memory_gib,
+                  global_batch=global_batch, micro_batch=micro_batch, gpu=gpu)
+    if gpu:
+        prof = get_profile(gpu)
+        gpu_memory_gib = prof.memory_gib if gpu_memory_gib is None else min(float(gpu_memory_gib), prof.memory_gib)
+        hardware = hardware or prof.name
+    budget = 80.0 if gpu_memory_gib is None else float(gpu_memory_gib)
     name, model_sec, train_sec = _model_section(model, root)
     world = gpus_per_node * nodes
     gb = int(global_batch or train_sec.get("global_batch") or world)
     if gb < micro_batch:
-        raise ValueError(f"global_batch={gb} is smaller than micro_batch={micro_batch}")
-    cfg = _base(model_sec, train_sec, gpus_per_node, nodes, gpu_memory_gib, seq_len, gb, micro_batch, dtype)
-    rungs = [_rung(0, "baseline", f"plain data parallel over {cfg.parallel.dp} of {world} GPUs (DDP, no "
-                   "recompute)", cfg, hardware, probe, margin)]
-    more = False
-    for step in range(1, max_rungs + 1):
-        last = rungs[-1]
-        symptom = None if last.fits else "oom"
-        rec = recommend_next(cfg, symptom, hardware=hardware, probe=probe)
-        if not rec.config_patch:
-            more = rec.more_gpus_needed and not last.fits
-            break
-        try:
-            cfg = from_dict(cfg.to_dict(), rec.config_patch)
-        except ConfigError:
-            break
-        rungs.append(_rung(step, rec.primitive, rec.reason, cfg, hardware, probe, margin))
-        if rungs[-1].fits and not estimate(cfg, hardware=hardware, probe=probe).step_time.comm_bound:
-            break
-    ranked, valid, fitting = enumerate_layouts(cfg, hardware=hardware, margin=margin, top=top, probe=probe)
-    final = rungs[-1]
-    return Plan(model=name, gpus=world, gpus_per_node=gpus_per_node, nodes=nodes, gpu_memory_gib=gpu_memory_gib,
-                seq_len=cfg.train.seq_len, global_batch=gb, micro_batch=micro_batch, rungs=rungs,
-                final=final.parallel, fits=final.fits, more_gpus_needed=more and not final.fits, ranked=ranked,
-                layouts_valid=valid, layouts_fitting=fitting, seconds=time.perf_counter() - t0)
+        raise ValueError(f"global_batch={gb} is smaller than micro_batch={micro_batch}; raise global_batch")
+    device = "cpu" if (hardware or "").upper() == "CPU" else "cuda"
+    cfg = _base(model_sec, train_sec, gpus_per_node, nodes, budget, seq_len, gb, micro_batch, dtype, device)
+    hw = resolve_hardware(cfg, hardware, probe)
+    found = search(cfg, hw, margin=margin)
+    label(cfg, found.rows, found.cp_fallback)
+    final_row, best = choose(found.rows, world)
+    hints = [f"tp={k} is blocked only by the vocabulary: {vocab_pad_hint(cfg.model.vocab_size, k)}"
+             for k in tp_blocked_by_vocab(cfg.model, gpus_per_node)[-1:]]
+    if final_row is not None:
+        final, mb = final_row.parallel, final_row.micro_batch
+    else:
+        final, mb = _heaviest(cfg), micro_batch
+    rungs = _climb(cfg, final, mb, hw, probe, margin)
+    min_nodes = None if final_row is not None else min_nodes_to_fit(cfg, hw, margin)
+    rows = sorted(found.rows, key=lambda r: (r.step_s, r.weight))
+    used = final_row.gpus_used if final_row else final["dp"] * final["tp"] * final["pp"] * final["cp"]
+    note = (f"{hw.name} speed ({hw.source}), {budget:g} GiB budget"
+            + ("" if gpu or hardware else " (no gpu named: speed guessed from the budget; name gpu to set it)"))
+    if final_row is None:
+        idle = None
+    else:
+        idle = _idle_reason(final_row, found.rows, world, gb)
+    return Plan(model=name, gpus=world, gpus_per_node=gpus_per_node, nodes=nodes, gpu_memory_gib=budget,
+                gpu_profile=hw.name, hardware_note=note, seq_len=cfg.train.seq_len, global_batch=gb, micro_batch=mb,
+                rungs=rungs, final=final,
+                final_patch={**{f"parallel.{k}": v for k, v in final.items()}, "train.micro_batch": mb},
+                final_step_time_s=final_row.step_s if final_row else None, fastest_clean_step_time_s=best,
+                final_anti_patterns=final_row.anti if final_row else [], gpus_used=used, idle_reason=idle,
+                fits=final_row is not None, more_gpus_needed=final_row is None, min_nodes_to_fit=min_nodes,
+                hints=hints, ranked=[_ranked(r) for r in rows[:top]], layouts_valid=found.valid,
+                layouts_fitting=len(found.rows), seconds=time.perf_counter() - t0)

@@ -23,7 +23,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
@@ -55,9 +55,15 @@ class SweepRow(BaseModel):
     max_model: FamilyMember | None = Field(description="Largest family member that fits at the config's "
                                                        "micro-batch; None when none does.")
     model_peak_bytes: int | None = None
+    micro_batch_limited_by: Literal["memory", "search cap"] | None = Field(
+        None, description="memory: max_micro_batch + 1 does not fit (a real limit); search cap: every size up to "
+                          "the max_micro_batch argument fits, so the limit is higher.")
+    model_limited_by: Literal["memory", "family"] | None = Field(
+        None, description="memory: the next larger family member does not fit (a real limit); family: the "
+                          "family's largest member fits, so the limit lies above the family.")
     source: str = Field(description="estimate, or measured (binary search with real runs).")
     runs: int = Field(0, description="Real runs this row took (measured mode).")
-    note: str = ""
+    note: str = Field("", description="What bounds each number, with the sizes that do not fit.")
 
 
 class SweepResult(BaseModel):
@@ -318,12 +324,18 @@ def capacity_sweep(config: str | Path | dict[str, Any] | Config, overrides: dict
         best_i = r.max_model(fam, params, mb0)
         peak = (r.real_peak if meas is not None else r.est_peak)
         world = par["dp"] * par["tp"] * par["pp"] * par["cp"]
+        mb_by = None if best_mb is None else ("search cap" if best_mb >= max_micro_batch else "memory")
+        top = max(range(len(fam)), key=lambda i: params[i]) if fam else None
+        model_by = None if best_i is None else ("family" if best_i == top else "memory")
+        notes = [_mb_note(r, best_mb, mb_by, max_micro_batch), _model_note(r, fam, params, best_i, mb0), note]
         rows.append(SweepRow(
             rung=label, parallel=par, world_size=world, max_micro_batch=best_mb,
             micro_batch_peak_bytes=peak(best_mb) if best_mb is not None else None,
             max_model=members[best_i] if best_i is not None else None,
             model_peak_bytes=peak(mb0, fam[best_i]) if best_i is not None else None,
-            source="measured" if meas else "estimate", runs=(meas.runs - runs_before) if meas else 0, note=note))
+            micro_batch_limited_by=mb_by, model_limited_by=model_by,
+            source="measured" if meas else "estimate", runs=(meas.runs - runs_before) if meas else 0,
+            note="; ".join(n for n in notes if n)))
     return SweepResult(config=str(name), mode="measured" if measured else "estimate",
                        budget_bytes=base_est.budget_bytes, usable_bytes=usable, micro_batch=mb0, family=members,
                        rungs=rows, seconds=time.perf_counter() - t0)
@@ -331,3 +343,36 @@ def capacity_sweep(config: str | Path | dict[str, Any] | Config, overrides: dict
 
 def _gib(n: int | None) -> str:
     return "-" if n is None else f"{n / GiB:.3g} GiB"
+
+
+def _mib(n: int | None) -> str:
+    """Two decimals of MiB or GiB: enough to tell the first size that does not fit from the budget."""
+    if n is None:
+        return "-"
+    return f"{n / GiB:.3f} GiB" if n >= 10 * GiB else f"{n / 2**20:.2f} MiB"
+
+
+def _mb_note(r: _Rung, best: int | None, by: str | None, limit: int) -> str:
+    """Why max_micro_batch is what it is, with the (estimated) peak of the first size that does not fit."""
+    if best is None:
+        return f"micro-batch: even 1 does not fit (estimated {_mib(r.est_peak(1))} > usable {_mib(r.usable)})"
+    if by == "search cap":
+        return (f"micro-batch: every size up to the search cap max_micro_batch={limit} fits (estimated "
+                f"{_mib(r.est_peak(limit))} at {limit}), so {best} is a bound, not the limit: raise max_micro_batch")
+    return (f"micro-batch: {best} is the limit ({best + 1} needs an estimated {_mib(r.est_peak(best + 1))} > usable "
+            f"{_mib(r.usable)})")
+
+
+def _model_note(r: _Rung, fam: list[dict], params: list[int], best: int | None, mb: int) -> str:
+    """Why max_model is what it is: the next larger member that does not fit, or the family's end."""
+    if not fam:
+        return ""
+    if best is None:
+        return f"model: no family member fits at micro-batch {mb}"
+    larger = sorted((i for i in range(len(fam)) if params[i] > params[best]), key=lambda i: params[i])
+    if not larger:
+        return (f"model: every family member up to the largest ({params[best] / 1e6:.1f}M parameters) fits, so the "
+                "limit lies above this family, not at its largest member")
+    nxt = larger[0]
+    return (f"model: {params[best] / 1e6:.1f}M parameters is the limit in this family (the next larger, "
+            f"{params[nxt] / 1e6:.1f}M, needs an estimated {_mib(r.est_peak(mb, fam[nxt]))} > usable {_mib(r.usable)})")

@@ -5,8 +5,8 @@
     curry-train runs [--diff RUN_A RUN_B] --json
 
 Exit codes: 0 success (white-box passed), 1 failure (white-box failed, a rank crashed), 2 invalid input (config,
-name or arguments; the message is on stderr and nothing was launched). Results go to stdout (JSON with --json);
-progress and logs go to stderr.
+name or arguments; one line on stderr and nothing was launched), 141 stdout closed by its reader (`| head`).
+Results go to stdout (JSON with --json); progress, warnings and logs go to stderr.
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ import json
 import sys
 from collections.abc import Callable
 from typing import Any
+
+from curry_train.cli.argtypes import CliParser, positive_int, seconds, stdout_closed
 
 # Feature modules that add their own subcommands: each defines add_subcommands(subparsers).
 EXTENSIONS = ["curry_train.cli.brain", "curry_train.cli.tools", "curry_train_mcp.cli"]
@@ -39,15 +41,21 @@ def add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", default="tiny", help="config name in configs/ (tiny, llama3-8b, ...) or a YAML path")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="dotted override applied without writing the file, e.g. parallel.dp=2 (repeatable)")
+    add_root_json(p)
+
+
+def add_root_json(p: argparse.ArgumentParser) -> None:
     p.add_argument("--root", default=None, help="project folder holding configs/ and runs/ (default: auto)")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
 
 
 def _cmd_train(a: argparse.Namespace) -> int:
-    from curry_train.measure import service
+    from curry_train.cli.report import say, warn_layout
     from curry_train.config import parse_sets
+    from curry_train.measure import service
 
-    rec = service.train(a.config, parse_sets(a.set), root=a.root, timeout=a.timeout)
+    warn_layout("train", a.config, parse_sets(a.set), a.root)
+    rec = service.train(a.config, parse_sets(a.set), root=a.root, timeout=a.timeout, progress=say)
     m = rec.metrics
     emit(rec, a.json, lambda r: (f"run {r.run_id}: {r.config['parallel']} world={m['world_size']}\n"
                                  f"loss {m['first_loss']:.4f} -> {m['last_loss']:.4f} over {len(m['losses'])} steps; "
@@ -69,8 +77,8 @@ def _human_verdict(v: Any) -> str:
 
 
 def _cmd_whitebox(a: argparse.Namespace) -> int:
-    from curry_train.measure import service
     from curry_train.config import parse_sets
+    from curry_train.measure import service
 
     v = service.whitebox(a.config, parse_sets(a.set), steps=a.steps, root=a.root, timeout=a.timeout,
                          break_grad_sync=a.break_grad_sync)
@@ -79,25 +87,26 @@ def _cmd_whitebox(a: argparse.Namespace) -> int:
 
 
 def _cmd_runs(a: argparse.Namespace) -> int:
+    from curry_train.cli.report import human_diff, human_runs, run_summary
     from curry_train.store.runs import Ledger, diff_runs
 
     ledger = Ledger(a.root)
     if a.diff:
-        emit(diff_runs(ledger.get(a.diff[0]), ledger.get(a.diff[1])), a.json, lambda d: d.verdict)
+        emit(diff_runs(ledger.get(a.diff[0]), ledger.get(a.diff[1])), a.json, human_diff)
     else:
         recs = ledger.list(a.limit)
-        emit([r.model_dump(mode="json", exclude={"config", "metrics"}) for r in recs], a.json,
-             lambda rs: "\n".join(f"{r['run_id']}  {r['status']:9s} {r['config_name']}" for r in rs) or "(no runs)")
+        emit([{**r.model_dump(mode="json", exclude={"config", "metrics"}), "summary": run_summary(r.metrics)}
+              for r in recs], a.json, human_runs)
     return EXIT_OK
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="curry-train", description=__doc__.splitlines()[0])
+    ap = CliParser(prog="curry-train", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("train", help="train a config on dp*tp*pp*cp ranks through torchrun")
     add_config_args(p)
-    p.add_argument("--timeout", type=float, default=1800.0, help="seconds before every rank is killed")
+    p.add_argument("--timeout", type=seconds, default=1800.0, help="seconds before every rank is killed")
     p.set_defaults(fn=_cmd_train)
 
     p = sub.add_parser("whitebox", help="prove the parallel run matches the single-device reference")
@@ -110,10 +119,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=_cmd_whitebox)
 
     p = sub.add_parser("runs", help="list recorded runs, or diff two")
-    p.add_argument("--diff", nargs=2, metavar=("RUN_A", "RUN_B"))
-    p.add_argument("--limit", type=int, default=20)
-    p.add_argument("--root", default=None)
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--diff", nargs=2, metavar=("RUN_A", "RUN_B"), help="compare two runs: config changes, metrics")
+    p.add_argument("--limit", type=positive_int, default=20, help="newest runs to list")
+    add_root_json(p)
     p.set_defaults(fn=_cmd_runs)
 
     for mod in EXTENSIONS:
@@ -129,14 +137,23 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     from curry_train.config import ConfigError
-    from curry_train.train.launch import LaunchError
+    from curry_train.measure.preflight import PreflightError
     from curry_train.paths import UnsafeName
+    from curry_train.train.launch import LaunchError
 
-    args = build_parser().parse_args(argv)
     try:
-        return args.fn(args)
-    except (ConfigError, UnsafeName, FileNotFoundError, KeyError) as e:
-        print(f"curry-train {args.command}: {e}", file=sys.stderr)
+        args = build_parser().parse_args(argv)
+    except BrokenPipeError:  # `curry-train --help | head`
+        return stdout_closed()
+    try:
+        code = args.fn(args)
+        sys.stdout.flush()  # a closed pipe surfaces here, inside the handler, not in the interpreter's exit
+        return code
+    except BrokenPipeError:
+        return stdout_closed()
+    except (ConfigError, UnsafeName, FileNotFoundError, KeyError, PreflightError) as e:
+        msg = e.args[0] if isinstance(e, KeyError) and e.args else e  # str(KeyError) adds quotes
+        print(f"curry-train {args.command}: {msg}", file=sys.stderr)
         return EXIT_INVALID
     except LaunchError as e:
         print(f"curry-train {args.command}: the run failed: {e}", file=sys.stderr)

@@ -15,6 +15,8 @@ import argparse
 import sys
 from typing import Any
 
+from curry_train.cli.argtypes import byte_count, float_in, positive_float, positive_int, seconds
+
 
 def _emit(obj: Any, as_json: bool, human) -> None:
     from curry_train.cli import emit
@@ -23,7 +25,21 @@ def _emit(obj: Any, as_json: bool, human) -> None:
 
 
 def _gib(n: float) -> str:
-    return f"{n / 2**30:.2f} GiB"
+    from curry_train.cli.report import human_bytes
+
+    return human_bytes(n)
+
+
+def human_flops(n: float) -> str:
+    from curry_train.cli.report import human_flops as f
+
+    return f(n)
+
+
+def _count(n: float) -> str:
+    from curry_train.cli.report import human_count
+
+    return human_count(n)
 
 
 def _human_estimate(e: Any) -> str:
@@ -32,14 +48,15 @@ def _human_estimate(e: Any) -> str:
              f"{_gib(e.usable_bytes)}: {'fits' if e.fits else 'OUT OF MEMORY'} (headroom {_gib(e.headroom_bytes)})"),
              "  " + "  ".join(f"{k} {_gib(getattr(m, k))}" for k in ("params", "grads", "optimizer", "activations",
                                                                     "other")),
-             (f"  {e.param_count / 1e9:.3g}B params ({e.params_per_rank / 1e9:.3g}B on this rank); "
-             f"{e.flops_per_token / 1e9:.3g} GFLOP/token"),
+             (f"  {_count(e.param_count)} params ({_count(e.params_per_rank)} on this rank); "
+              f"{human_flops(e.flops_per_token)}/token"),
              (f"  step {e.step_time.total_s:.3g} s on {e.hardware.name}: compute {e.step_time.compute_s:.3g} s, "
               f"bubble {e.step_time.bubble_s:.3g} s, exposed comm {e.step_time.comm_exposed_s:.3g} s; "
               f"MFU {e.step_time.mfu:.1%}"),
+             f"  hardware: {e.hardware_note}",
              f"  dtype policy: {e.dtype_policy}"]
     for c in e.communication:
-        lines.append(f"  comm {c.primitive:5s} {c.collective:14s} x{c.calls:<6d} {c.bytes / 2**30:9.2f} GiB over "
+        lines.append(f"  comm {c.primitive:5s} {c.collective:14s} x{c.calls:<6d} {_gib(c.bytes):>10s} over "
                      f"{c.group_size} ({c.link}): {c.time_s:.3g} s, exposed {c.exposed_s:.3g} s")
     return "\n".join(lines)
 
@@ -62,24 +79,32 @@ def _human_plan(p: Any) -> str:
     for r in p.rungs:
         par = r.parallel
         lines.append(f"  {r.step:2d} {r.primitive:10s} dp{par['dp']} z{par['zero']} tp{par['tp']} pp{par['pp']} "
-                     f"cp{par['cp']} ep{par['ep']} rc:{par['recompute']:9s} {r.memory_gib['total']:9.2f} GiB "
+                     f"cp{par['cp']} ep{par['ep']} rc:{par['recompute']:9s} {_gib(r.memory_gib['total'] * 2**30):>10s} "
                      f"{'fits' if r.fits else 'OOM '} step {r.step_time_s:.3g} s")
     lines.append(f"  {p.layouts_valid} valid layouts, {p.layouts_fitting} fit; fastest:")
     for lay in p.ranked[:5]:
         par = lay.parallel
         lines.append(f"     dp{par['dp']} z{par['zero']} tp{par['tp']} pp{par['pp']}({par['pp_schedule']}) "
-                     f"cp{par['cp']} ep{par['ep']} rc:{par['recompute']} {lay.total_gib:.2f} GiB, "
+                     f"cp{par['cp']} ep{par['ep']} rc:{par['recompute']} {_gib(lay.total_gib * 2**30)}, "
                      f"{lay.step_time_s:.3g} s, "
                      f"MFU {lay.mfu:.1%}")
     return "\n".join(lines)
 
 
-def _human_sweep(s: Any) -> str:
-    lines = [f"capacity of {s.config} ({s.mode}), usable {_gib(s.usable_bytes)} per rank:"]
+def _human_sweep(s: Any, cap: int | None = None) -> str:
+    lines = [f"capacity of {s.config} ({s.mode}), usable {_gib(s.usable_bytes)} per rank; largest model at "
+             f"micro-batch {s.micro_batch}:"]
     for r in s.rungs:
         mm = r.max_model
-        model = f"d{mm.d_model} x L{mm.n_layers} ({mm.params / 1e9:.3g}B)" if mm else "none"
-        lines.append(f"  {r.rung:18s} {r.world_size:5d} ranks  max micro-batch {r.max_micro_batch}  largest model "
+        model = (f"d{mm.d_model} x L{mm.n_layers} ({_count(mm.params)} params)" if mm
+                 else "none of the family fits")
+        if r.max_micro_batch is None:  # SweepRow: None when even one sequence per rank does not fit
+            mb = "max micro-batch: none (1 sequence per rank already exceeds the budget)"
+        elif cap is not None and r.max_micro_batch >= cap:
+            mb = f"max micro-batch >= {r.max_micro_batch} (the --max-micro-batch cap)"
+        else:
+            mb = f"max micro-batch {r.max_micro_batch}"
+        lines.append(f"  {r.rung:18s} {r.world_size:5d} ranks  {mb}  largest model "
                      f"{model}{'  ' + r.note if r.note else ''}")
     return "\n".join(lines)
 
@@ -90,19 +115,36 @@ def _invalid(command: str, e: Exception) -> int:
 
 
 def _cmd_estimate(a: argparse.Namespace) -> int:
+    from curry_train.cli.report import say
     from curry_train.config import parse_sets
     from curry_train.estimator import estimate_memory
+    from curry_train.estimator.profiles import UnknownGpu
 
-    e = estimate_memory(a.config, parse_sets(a.set), hardware=a.hardware, root=a.root)
+    try:
+        e = estimate_memory(a.config, parse_sets(a.set), hardware=a.hardware, root=a.root, gpu=a.gpu)
+    except UnknownGpu as err:
+        return _invalid("estimate", err)
+    for w in e.warnings:  # also in the result (its "warnings" field), as the MCP tool returns it
+        say(f"curry-train estimate: warning: {w}")
     _emit(e, a.json, _human_estimate)
     return 0
 
 
 def _cmd_recommend(a: argparse.Namespace) -> int:
     from curry_train.advice.advisor import recommend_next
+    from curry_train.cli.report import warn_layout
     from curry_train.config import parse_sets
+    from curry_train.estimator.profiles import UnknownGpu, gpu_budget
 
-    r = recommend_next(a.config, a.symptom, parse_sets(a.set), hardware=a.hardware,
+    sets = parse_sets(a.set)
+    try:
+        hardware, budget = gpu_budget(a.gpu, None, a.hardware)
+    except UnknownGpu as err:
+        return _invalid("recommend", err)
+    if budget is not None:  # the named GPU's memory is the budget
+        sets = {**sets, "hardware.gpu_memory_gib": budget}
+    warn_layout("recommend", a.config, sets, a.root)
+    r = recommend_next(a.config, a.symptom, sets, hardware=hardware,
                        measured_peak_bytes=a.measured_peak, root=a.root)
     _emit(r, a.json, _human_rec)
     return 0
@@ -110,10 +152,12 @@ def _cmd_recommend(a: argparse.Namespace) -> int:
 
 def _cmd_plan(a: argparse.Namespace) -> int:
     from curry_train.advice.planner import plan
+    from curry_train.estimator.profiles import gpu_budget
 
     try:
-        p = plan(a.model, a.gpus_per_node, a.nodes, a.gpu_memory_gib, a.seq_len, a.global_batch,
-                 micro_batch=a.micro_batch, dtype=a.dtype, margin=a.margin, hardware=a.hardware, top=a.top,
+        hardware, budget = gpu_budget(a.gpu, a.gpu_memory_gib, a.hardware)
+        p = plan(a.model, a.gpus_per_node, a.nodes, 80.0 if budget is None else budget, a.seq_len, a.global_batch,
+                 micro_batch=a.micro_batch, dtype=a.dtype, margin=a.margin, hardware=hardware, top=a.top,
                  root=a.root)
     except ValueError as e:
         if type(e).__name__ == "ConfigError":
@@ -124,56 +168,67 @@ def _cmd_plan(a: argparse.Namespace) -> int:
 
 
 def _cmd_sweep(a: argparse.Namespace) -> int:
-    from curry_train.config import parse_sets
     from curry_train.advice.sweep import capacity_sweep
+    from curry_train.config import parse_sets
 
     s = capacity_sweep(a.config, parse_sets(a.set), measured=a.measured, rungs=a.rung or None,
                        max_micro_batch=a.max_micro_batch, launcher=a.launcher, timeout=a.timeout,
                        progress=(lambda msg: print(msg, file=sys.stderr, flush=True)), root=a.root)
-    _emit(s, a.json, _human_sweep)
+    _emit(s, a.json, lambda x: _human_sweep(x, a.max_micro_batch))
     return 0
 
 
 def add_subcommands(subparsers: Any) -> None:
     """Register estimate, recommend, plan and sweep on the curry-train parser."""
-    from curry_train.cli import add_config_args
+    from curry_train.cli import add_config_args, add_root_json
+    from curry_train.cli.argtypes import int_at_least
 
-    hw_help = "hardware profile for the step time: A100-40, A100-80, H100, H200, CPU (default: from the config)"
+    int_at_least_2 = int_at_least(2)  # config.py: train.seq_len >= 2
+
+    hw_help = "hardware profile for the step time only: A100-40, A100-80, H100, H200, B200, MI300X, L40S, CPU"
+    gpu_help = ("the accelerator: A100-40, A100-80, H100, H200, B200, MI300X, L40S or CPU; sets the memory budget "
+                "AND the speed (default: the config's gpu_memory_gib, speed assumed from it and said)")
     p = subparsers.add_parser("estimate", help="per-rank memory, communication, FLOPs and step time (no run)")
     add_config_args(p)
     p.add_argument("--hardware", default=None, help=hw_help)
+    p.add_argument("--gpu", default=None, help=gpu_help)
     p.set_defaults(fn=_cmd_estimate)
 
     p = subparsers.add_parser("recommend", help="the next parallelism primitive (stage-4 ladder), with numbers")
     add_config_args(p)
     p.add_argument("--symptom", choices=["oom", "slow", "none"], default=None,
                    help="what goes wrong now (default: derived from the estimate)")
-    p.add_argument("--measured-peak", type=int, default=None, metavar="BYTES",
+    p.add_argument("--measured-peak", type=byte_count, default=None, metavar="BYTES",
                    help="a measured per-rank peak (bench): sizes the reduction an OOM needs")
     p.add_argument("--hardware", default=None, help=hw_help)
+    p.add_argument("--gpu", default=None, help=gpu_help)
     p.set_defaults(fn=_cmd_recommend)
 
     p = subparsers.add_parser("plan", help="climb the ladder for a model on a cluster and rank every layout")
     p.add_argument("--model", required=True, help="config name in configs/ (its model section) or a YAML path")
-    p.add_argument("--gpus-per-node", type=int, default=8)
-    p.add_argument("--nodes", type=int, default=1)
-    p.add_argument("--gpu-memory-gib", type=float, default=80.0)
-    p.add_argument("--seq-len", type=int, default=None, help="default: the config's")
-    p.add_argument("--global-batch", type=int, default=None, help="sequences per step (default: the config's)")
-    p.add_argument("--micro-batch", type=int, default=1)
-    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
-    p.add_argument("--margin", type=float, default=0.0, help="extra fraction of usable memory to keep free")
-    p.add_argument("--top", type=int, default=10, help="how many ranked layouts to return")
+    p.add_argument("--gpus-per-node", type=positive_int, default=8, help="accelerators per node")
+    p.add_argument("--nodes", type=positive_int, default=1, help="nodes in the cluster")
+    p.add_argument("--gpu-memory-gib", type=positive_float, default=None,
+                   help="memory per accelerator, GiB (default: the --gpu's memory, else 80)")
+    p.add_argument("--seq-len", type=int_at_least_2, default=None, help="tokens per sequence (default: the config's)")
+    p.add_argument("--global-batch", type=positive_int, default=None,
+                   help="sequences per step (default: the config's)")
+    p.add_argument("--micro-batch", type=positive_int, default=1, help="sequences per rank per forward")
+    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="compute dtype")
+    p.add_argument("--margin", type=float_in(0.0, 1.0, lo_open=False), default=0.0,
+                   help="extra fraction of usable memory to keep free, in [0, 1)")
+    p.add_argument("--top", type=positive_int, default=10, help="how many ranked layouts to return")
     p.add_argument("--hardware", default=None, help=hw_help)
-    p.add_argument("--root", default=None)
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--gpu", default=None, help=gpu_help)
+    add_root_json(p)
     p.set_defaults(fn=_cmd_plan)
 
     p = subparsers.add_parser("sweep", help="largest micro-batch and model under each ladder rung")
     add_config_args(p)
     p.add_argument("--measured", action="store_true", help="binary-search with real runs on this machine")
     p.add_argument("--rung", action="append", default=[], help="only these rungs (repeatable), e.g. zero3")
-    p.add_argument("--max-micro-batch", type=int, default=4096)
-    p.add_argument("--launcher", choices=["forkserver", "torchrun"], default="forkserver")
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds per measured run")
+    p.add_argument("--max-micro-batch", type=positive_int, default=4096, help="upper end of the micro-batch search")
+    p.add_argument("--launcher", choices=["forkserver", "torchrun"], default="forkserver",
+                   help="how --measured starts its ranks")
+    p.add_argument("--timeout", type=seconds, default=600.0, help="seconds per measured run")
     p.set_defaults(fn=_cmd_sweep)

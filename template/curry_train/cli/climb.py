@@ -22,9 +22,9 @@ from typing import Any
 from pydantic import BaseModel, Field
 
 from curry_train.measure.bench import DeviceLock
+from curry_train.measure.preflight import cpu_rank_cap
 from curry_train.paths import configs_dir, resolve_config_arg
 
-CPU_MAX_RANKS = 4  # gloo ranks are processes sharing the cores: beyond 4 a tiny climb only gets slower
 # The README's CPU budget for tiny: between the measured peaks of rung 2 (ZeRO-3 on 4 ranks + full recompute,
 # 2.25 MB) and rung 3 (+ TP 2 with SP, 1.75 MB), so the climb takes three primitives (baseline 6.04 MB).
 README_BUDGET = 2_000_000
@@ -101,7 +101,9 @@ def _machine_changes(cfg: Any, budget: int, probe: Any) -> dict[str, Any]:
         out.update({"hardware.device": "cuda", "hardware.gpus_per_node": probe.gpu_count})
     else:
         out.update({"hardware.device": "cpu",
-                    "hardware.gpus_per_node": max(1, min(cfg.hardware.gpus_per_node, CPU_MAX_RANKS))})
+                    # the same CPU-rank cap the preflight of every launch applies (measure/preflight.py)
+                    "hardware.gpus_per_node": max(1, min(cfg.hardware.gpus_per_node,
+                                                         cpu_rank_cap(probe.cpu_count)))})
     return out
 
 
@@ -111,8 +113,8 @@ def climb(config: str, memory_budget: int, *, overrides: dict[str, Any] | None =
     """Walk the ladder from `config` (a name in configs/ or a YAML file there) until `memory_budget` bytes fit."""
     from curry_train.measure import service
     from curry_train.measure.bench import bench
+    from curry_train.measure.hardware import local_hardware
     from curry_train.store.configs import update_config
-    from curry_train.measure.hardware import probe_hardware
 
     say = log or (lambda msg: None)
     if memory_budget <= 0:
@@ -129,7 +131,7 @@ def climb(config: str, memory_budget: int, *, overrides: dict[str, Any] | None =
         raise ValueError("the climb never rewrites its base config; pass another --name")
 
     say("probing this machine")
-    probe = probe_hardware()
+    probe = local_hardware()  # NVML and torch's files: no torch import, cached
     changes = {**(overrides or {}), **_machine_changes(base_cfg, memory_budget, probe)}
     update_config(name, changes, base=base, root=root)
     say(f"wrote configs/{name}.yaml from {base}: {changes}")

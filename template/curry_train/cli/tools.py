@@ -17,7 +17,8 @@ import shutil
 import sys
 from pathlib import Path
 
-from curry_train.cli import EXIT_FAIL, EXIT_INVALID, EXIT_OK, add_config_args, emit
+from curry_train.cli import EXIT_FAIL, EXIT_INVALID, EXIT_OK, add_config_args, add_root_json, emit
+from curry_train.cli.argtypes import byte_count, nonneg_int, positive_int, seconds
 
 
 def _err(msg: str) -> None:
@@ -25,7 +26,9 @@ def _err(msg: str) -> None:
 
 
 def _mib(b: float | None) -> str:
-    return "-" if b is None else f"{b / 2**20:.2f} MiB"
+    from curry_train.cli.report import human_bytes
+
+    return human_bytes(b)
 
 
 def _human_bench(r) -> str:
@@ -47,9 +50,11 @@ def _human_bench(r) -> str:
 
 
 def _cmd_bench(a: argparse.Namespace) -> int:
-    from curry_train.measure.bench import DeviceLock, bench
+    from curry_train.cli.report import warn_layout
     from curry_train.config import parse_sets
+    from curry_train.measure.bench import DeviceLock, bench
 
+    warn_layout("bench", a.config, parse_sets(a.set), a.root)
     lock = DeviceLock(a.root)
     try:
         lock.acquire(timeout=a.timeout, on_wait=_err)
@@ -113,7 +118,7 @@ def _cmd_climb(a: argparse.Namespace) -> int:
 
 
 def skills_source() -> Path:
-    return Path(__file__).resolve().parents[2] / "skills"
+    return Path(__file__).resolve().parents[3] / "skills"  # template/curry_train/cli/tools.py -> checkout root
 
 
 def _cmd_install_skills(a: argparse.Namespace) -> int:
@@ -142,37 +147,37 @@ def _cmd_install_skills(a: argparse.Namespace) -> int:
 def add_subcommands(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="measure step time, throughput and per-rank memory (vs the estimate)")
     add_config_args(p)
-    p.add_argument("--steps", type=int, default=5, help="timed steps (median reported)")
-    p.add_argument("--warmup", type=int, default=1, help="untimed steps first")
-    p.add_argument("--timeout", type=float, default=900.0)
+    p.add_argument("--steps", type=positive_int, default=5, help="timed steps (median reported)")
+    p.add_argument("--warmup", type=nonneg_int, default=1, help="untimed steps first")
+    p.add_argument("--timeout", type=seconds, default=900.0, help="seconds before every rank is killed")
     p.add_argument("--plot", metavar="PNG", help="also write the memory breakdown (estimate vs measured) here")
     p.set_defaults(fn=_cmd_bench)
 
     p = sub.add_parser("probe", help="GPUs, links, CPUs, memory, versions, launcher/cluster environment")
     p.add_argument("--measure", action="store_true", help="also time a matmul and an all-reduce (launches ranks)")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     p.set_defaults(fn=_cmd_probe)
 
     p = sub.add_parser("update-config", help="validate and atomically write configs/NAME.yaml (history kept)")
     p.add_argument("name", help="config name to write, e.g. tiny-zero1")
     p.add_argument("--base", help="start from this config (required when NAME does not exist yet)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="dotted change (repeatable)")
-    p.add_argument("--root", default=None)
-    p.add_argument("--json", action="store_true")
+    add_root_json(p)
     p.set_defaults(fn=_cmd_update_config)
 
     p = sub.add_parser("climb", help="the main job: climb the parallelism ladder until a memory budget fits")
     add_config_args(p)
-    p.add_argument("--memory-budget", type=int, required=True, metavar="BYTES", help="per-rank memory budget")
+    p.add_argument("--memory-budget", type=byte_count, required=True, metavar="BYTES",
+                   help="per-rank memory budget in bytes, e.g. 2000000")
     p.add_argument("--name", default=None, help="config the climb writes (default <config>-climb)")
-    p.add_argument("--steps", type=int, default=3, help="timed bench steps per rung")
-    p.add_argument("--max-rungs", type=int, default=8)
-    p.add_argument("--timeout", type=float, default=900.0, help="deadline per bench / white-box run")
+    p.add_argument("--steps", type=positive_int, default=3, help="timed bench steps per rung")
+    p.add_argument("--max-rungs", type=nonneg_int, default=8, help="stop after this many primitives")
+    p.add_argument("--timeout", type=seconds, default=900.0, help="seconds per bench / white-box run")
     p.set_defaults(fn=_cmd_climb)
 
     p = sub.add_parser("install-skills", help="copy the skills into a Claude skills folder")
     p.add_argument("--dest", default="~/.claude/skills", help="target folder (default ~/.claude/skills)")
     p.add_argument("--source", default=None, help=argparse.SUPPRESS)
     p.add_argument("--force", action="store_true", help="replace skills that are already there")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     p.set_defaults(fn=_cmd_install_skills)

@@ -4,7 +4,7 @@
     python -c "from curry_train.estimator import estimate_memory; print(estimate_memory('tiny').memory)"
 
 Pure arithmetic (no tensor is allocated; 405B takes milliseconds). It models what the template does, not a
-textbook transformer (estimation-formulas.md §1-§8, with the implementation corrections of §2.2 and §12):
+textbook transformer (docs/ESTIMATION.md gives the textbook formulas and their sources):
 
 Dtype policy (train.dtype = float32 | bfloat16):
   master params fp32 (4 B), grads fp32 (4 B), AdamW exp_avg + exp_avg_sq fp32 (8 B), plus a 4-byte `step`
@@ -59,6 +59,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
+from curry_train.breakdown import CATEGORIES, Breakdown
 from curry_train.config import Config, from_dict, load_yaml
 from curry_train.estimator.comm import CommItem, StepTime, _step_time
 from curry_train.estimator.layout import (
@@ -73,11 +74,22 @@ from curry_train.estimator.layout import (
 )
 from curry_train.estimator.peak import PP_KEEPS_OUTPUTS, _peak
 from curry_train.estimator.pipeline import bubble_fraction, in_flight, pipe_states, stage_ids
+from curry_train.estimator.profiles import (
+    GPU_NAMES,
+    HardwareProfile,
+    UnknownGpu,
+    check_cluster,
+    from_device_name,
+    from_probe,
+    get_profile,
+    guess_profile,
+    resolve_gpu,
+)
 from curry_train.estimator.states import _states
-from curry_train.estimator.profiles import HardwareProfile, from_device_name, from_probe, get_profile, guess_profile
+from curry_train.layout_warnings import layout_warnings
 
 __all__ = [  # the public API; planner.py and the tests also reach into _layout, _replace and _states
-    "CommItem", "Estimate", "GiB", "MemoryBreakdown", "Quick", "StepTime", "_layout", "_replace", "_states",
+    "GPU_NAMES", "CommItem", "Estimate", "GiB", "UnknownGpu", "check_cluster", "resolve_gpu", "with_gpu", "MemoryBreakdown", "Quick", "StepTime", "_layout", "_replace", "_states",
     "active_params", "bubble_fraction", "dtype_policy", "estimate", "estimate_memory", "flops_per_token",
     "hardware_flops_per_token", "in_flight", "load_any", "memory_per_pp_rank", "model_states", "param_count",
     "peak_flops", "pipe_states", "quick", "quick_layout", "reserve_bytes", "resolve_hardware", "stage_ids",
@@ -90,26 +102,17 @@ FRAGMENTATION_RESERVE = 0.05  # caching-allocator fragmentation (Megatron adds 5
 # ----------------------------------------------------------------------------------------------- results
 
 
-class MemoryBreakdown(BaseModel):
-    """Bytes live on one rank at its peak, in the components bench reports (curry_train.measure.memory's categories,
-    folded as bench.fold does)."""
+class MemoryBreakdown(Breakdown):
+    """Bytes live on one rank at its peak, in the categories of curry_train/breakdown.py, the same ones bench
+    measures (curry_train.measure.memory), so estimate and measurement compare category by category."""
 
-    params: int = Field(description="fp32 master params (full, TP-local or this rank's FSDP shard) plus working "
-                                    "copies: FSDP-gathered units, autocast's bf16 weight casts.")
-    grads: int = Field(description=".grad tensors plus DDP's buckets and FSDP's unsharded gradients/accumulators.")
-    optimizer: int = Field(description="AdamW state (exp_avg, exp_avg_sq, step) this rank owns.")
-    activations: int = Field(description="Forward-created tensors alive at the peak: what backward reads for every "
-                                         "in-flight micro-batch, logits, the batch; recomputed ones too.")
-    other: int = Field(description="Everything else: gradients of activations and other backward temporaries, "
-                                   "loss gradients, communication staging, pipeline buffers, module buffers.")
-    total: int = Field(description="Sum of the five: the per-rank peak.")
+    total: int = Field(description="Sum of the categories: the per-rank peak.")
     pp_rank: int = Field(0, description="Pipeline rank this breakdown is for.")
     phase: str = Field("", description="Moment of the step where the peak falls.")
-    detail: dict[str, int] = Field(default_factory=dict, description="Named pieces of the components.")
+    detail: dict[str, int] = Field(default_factory=dict, description="Named pieces of the categories.")
 
     def gib(self) -> dict[str, float]:
-        return {k: round(getattr(self, k) / GiB, 3) for k in ("params", "grads", "optimizer", "activations",
-                                                               "other", "total")}
+        return {k: round(getattr(self, k) / GiB, 3) for k in (*CATEGORIES, "total")}
 
 
 class Estimate(BaseModel):
@@ -133,17 +136,30 @@ class Estimate(BaseModel):
     communication: list[CommItem]
     step_time: StepTime
     hardware: HardwareProfile
+    gpu_profile: str = Field("", description="Name of the hardware profile this estimate used (speed and, when "
+                                             "named as gpu, the memory budget).")
+    hardware_note: str = Field("", description="Which profile was used and why (assumed when no gpu was named).")
     dtype_policy: str
     assumptions: list[str]
+    warnings: list[str] = Field(default_factory=list, description="Primitives this layout turns on that do nothing "
+                                "(curry_train/layout_warnings.py), e.g. a ZeRO stage at dp=1.")
 
 
 # ----------------------------------------------------------------------------------------------- memory
 
 
 def _breakdown(x: _Layout, pp_rank: int) -> MemoryBreakdown:
+    """The peak's moment split into the shared categories: peak.py files working copies with params, DDP buckets
+    with grads, the loss gradients and pipeline buffers with other; the pieces it names in `detail` move to their
+    own category here."""
     pk = _peak(x, pp_rank)
-    return MemoryBreakdown(params=pk.params, grads=pk.grads, optimizer=pk.optimizer, activations=pk.activations,
-                           other=pk.other, total=pk.total, pp_rank=pp_rank, phase=pk.phase, detail=dict(pk.detail))
+    d = pk.detail
+    copies, buckets, ppb = d.get("param_copies", 0), d.get("ddp_buckets", 0), d.get("pp_recv_buffers", 0)
+    loss = d.get("loss_grads", 0)
+    return MemoryBreakdown(params=pk.params - copies, param_copies=copies, grads=pk.grads - buckets,
+                           grad_buffers=buckets, optimizer=pk.optimizer, activations=pk.activations,
+                           loss=loss, pp_buffers=ppb, other=pk.other - loss - ppb,
+                           total=pk.total, pp_rank=pp_rank, phase=pk.phase, detail=dict(d))
 
 
 def memory_per_pp_rank(cfg: Config) -> list[MemoryBreakdown]:
@@ -180,7 +196,7 @@ def resolve_hardware(cfg: Config, hardware: str | HardwareProfile | None = None,
     if isinstance(hardware, HardwareProfile):
         base = hardware
     elif isinstance(hardware, str) and hardware:
-        base = get_profile(hardware)
+        base = get_profile(hardware, field="hardware")
     else:
         dev = cfg.hardware.device if cfg.hardware.device != "auto" else "cuda"
         base = guess_profile(dev, cfg.hardware.gpu_memory_gib)
@@ -195,9 +211,34 @@ def dtype_policy(cfg: Config) -> str:
     return f"fp32 master params, fp32 grads, AdamW fp32 exp_avg + exp_avg_sq (16 B/param); {mech}"
 
 
+def with_gpu(cfg: Config, gpu: str) -> Config:
+    """cfg held to a named GPU's memory (hardware.gpu_memory_gib = the device's; device=cpu for 'CPU').
+    An unknown name raises UnknownGpu (field `gpu`, the valid names listed)."""
+    prof = get_profile(gpu)
+    hw = cfg.hardware.model_copy(update={"gpu_memory_gib": prof.memory_gib,
+                                         **({"device": "cpu"} if prof.name == "CPU" else {})})
+    return cfg.model_copy(update={"hardware": hw})
+
+
+def _hardware_note(cfg: Config, gpu: str | None, hardware: str | HardwareProfile | None, hw: HardwareProfile) -> str:
+    mem = cfg.hardware.gpu_memory_gib
+    if gpu:
+        return f"gpu={hw.name}: {mem:g} GiB budget and {hw.name} speed ({hw.source})"
+    if hardware:
+        return (f"hardware={hw.name}: {hw.name} speed ({hw.source}); the budget is hardware.gpu_memory_gib="
+                f"{mem:g} (name gpu to set both)")
+    dev = cfg.hardware.device if cfg.hardware.device != "auto" else "cuda"
+    note = resolve_gpu(None, mem, dev)[2]
+    return note + (f" ({hw.source})" if hw.source != "datasheet" else "")
+
+
 def estimate(cfg: Config, *, hardware: str | HardwareProfile | None = None,
-             probe: dict[str, Any] | None = None) -> Estimate:
-    """Per-rank memory, communication, FLOPs and step time for a validated config."""
+             probe: dict[str, Any] | None = None, gpu: str | None = None) -> Estimate:
+    """Per-rank memory, communication, FLOPs and step time for a validated config. `gpu` names the accelerator
+    (estimator.profiles.GPU_NAMES): it sets the memory budget and the speed; `hardware` sets the speed only."""
+    if gpu:
+        cfg = with_gpu(cfg, gpu)
+        hardware = hardware or get_profile(gpu)
     x = _layout(cfg)
     hw = resolve_hardware(cfg, hardware, probe)
     per = [_breakdown(x, r) for r in range(x.pp)]
@@ -217,6 +258,8 @@ def estimate(cfg: Config, *, hardware: str | HardwareProfile | None = None,
         if x.fsdp and x.pp > 1 else "",
         "pipeline step() keeps every micro-batch's logits on the last stage (return_outputs=True)"
         if x.pp > 1 and PP_KEEPS_OUTPUTS else "",
+        f"HSDP (dp_replicate={x.dp_replicate}): communication is timed per shard group + replica all-reduce; the "
+        "memory still assumes sharding over all dp*cp ranks" if x.dp_replicate > 1 else "",
     ]
     return Estimate(memory=worst, per_pp_rank=per, budget_bytes=budget, reserve_bytes=reserve, usable_bytes=usable,
                     fits=worst.total <= usable, headroom_bytes=usable - worst.total, param_count=param_count(cfg),
@@ -224,8 +267,9 @@ def estimate(cfg: Config, *, hardware: str | HardwareProfile | None = None,
                     model_state_bytes_per_param=states / max(param_count(cfg), 1),
                     active_params_per_token=active_params(cfg),
                     flops_per_token=flops_per_token(cfg), hardware_flops_per_token=hardware_flops_per_token(cfg),
-                    communication=items, step_time=step, hardware=hw, dtype_policy=dtype_policy(cfg),
-                    assumptions=[n for n in notes if n])
+                    communication=items, step_time=step, hardware=hw, gpu_profile=hw.name,
+                    hardware_note=_hardware_note(cfg, gpu, hardware, hw), dtype_policy=dtype_policy(cfg),
+                    assumptions=[n for n in notes if n], warnings=layout_warnings(cfg))
 
 
 def load_any(config: str | Path | dict[str, Any] | Config, overrides: dict[str, Any] | None = None, *,
@@ -251,9 +295,12 @@ def load_any(config: str | Path | dict[str, Any] | Config, overrides: dict[str, 
 
 def estimate_memory(config: str | Path | dict[str, Any] | Config, overrides: dict[str, Any] | None = None, *,
                     hardware: str | HardwareProfile | None = None, probe: dict[str, Any] | None = None,
-                    root: str | Path | None = None) -> Estimate:
-    """`estimate` for a config name/path/dict with dotted overrides (the MCP tool's core)."""
-    return estimate(load_any(config, overrides, root=root), hardware=hardware, probe=probe)
+                    root: str | Path | None = None, gpu: str | None = None) -> Estimate:
+    """`estimate` for a config name/path/dict with dotted overrides (the MCP tool's core); `gpu` as in
+    `estimate` (checked before the config is read: an unknown name fails first)."""
+    if gpu:
+        get_profile(gpu)
+    return estimate(load_any(config, overrides, root=root), hardware=hardware, probe=probe, gpu=gpu)
 
 
 @dataclass

@@ -1,28 +1,41 @@
 """Communication and step time for the estimator: collectives per optimizer step with ring factors and
-alpha-beta times per link (intra vs inter node); step time = compute at the profile's efficiency + bubble +
-exposed communication + optimizer.
+alpha-beta times per link (intra vs inter node), then the step:
+
+  pipeline  each stage's compute per step (its layers; the first stage also the embedding's dense
+            gradient, the last the LM head GEMMs and the loss): the step follows the slowest rank, plus the
+            bubble of the schedule's real action order (estimator/pipeline.py: bubble_ratio, simulated or its
+            verified closed form) times the mean rank's compute.
+  exposed   collectives on one link share it: their times add. Each hides only behind the compute it can
+            overlap (FSDP's prefetched all-gathers: forward + backward; reduce-scatters: backward; DDP's buckets:
+            the last micro-batch's backward; CP's ring: the attention blocks), and collectives hiding behind the
+            same compute share that budget: per link, exposed >= (sum of their times) - (the compute they can
+            overlap). TP's, EP's and the pipeline's fill/drain transfers sit on the critical path.
+  step      = pipeline makespan + exposed communication + optimizer step (memory-bound).
 """
 
 from __future__ import annotations
 
 import math
+from functools import lru_cache
 
 from pydantic import BaseModel, Field
 
 from curry_train.estimator.acts import _acts, _moe_slots
 from curry_train.estimator.layout import _block_tensors, _Layout, flops_per_token, hardware_flops_per_token
-from curry_train.estimator.pipeline import bubble_fraction, stage_ids
-from curry_train.estimator.states import _states
+from curry_train.estimator.pipeline import bubble_ratio, stage_ids
 from curry_train.estimator.profiles import HardwareProfile
+from curry_train.estimator.states import _states
+from curry_train.rules import pipeline_stage_ids, stage_layers
 
 FIRST_BUCKET_BYTES = 1 * 2**20  # DDP's first bucket; later ones are 25 MiB
 BUCKET_BYTES = 25 * 2**20
+OVERLAP_EFFICIENCY = 0.9  # share of the overlappable compute a collective really hides behind (kernel contention)
 
 
 class CommItem(BaseModel):
     """One kind of collective of one primitive, per optimizer step, as seen by one rank."""
 
-    primitive: str = Field(description="dp, zero1, fsdp, tp, pp, cp or ep.")
+    primitive: str = Field(description="dp, zero1, fsdp, hsdp, tp, pp, cp or ep.")
     collective: str = Field(description="all_reduce, all_gather, reduce_scatter, broadcast, all_to_all or p2p.")
     group_size: int
     calls: int = Field(description="Collectives issued per step.")
@@ -30,12 +43,15 @@ class CommItem(BaseModel):
     wire_bytes: int = Field(description="Bytes each rank sends per step (ring factors applied).")
     link: str = Field(description="intra (NVLink) or inter (network): the slowest link the group spans.")
     time_s: float = Field(description="alpha-beta time of these collectives.")
-    exposed_s: float = Field(description="Part not hidden behind compute.")
+    exposed_s: float = Field(description="Part not hidden behind compute (its share of its link's exposed time).")
+    overlaps: str = Field("", description="The compute it can hide behind: forward+backward, backward, last "
+                                          "micro-batch backward, attention, or none (critical path).")
 
 
 class StepTime(BaseModel):
-    compute_s: float = Field(description="FLOPs of this rank at peak x efficiency, recompute included.")
-    bubble_s: float = Field(description="Pipeline bubble.")
+    compute_s: float = Field(description="Busy compute of the slowest rank (pipeline: the slowest stage's rank), "
+                                         "recompute included.")
+    bubble_s: float = Field(description="Pipeline idle time on that rank: the schedule's makespan - its compute.")
     comm_exposed_s: float = Field(description="Exposed communication, all primitives.")
     optimizer_s: float = Field(description="AdamW step (memory-bound).")
     total_s: float
@@ -43,6 +59,8 @@ class StepTime(BaseModel):
     mfu: float = Field(description="Model FLOPs utilisation (PaLM convention: 6N + 12 L H Dh s per token).")
     comm_fraction: float = Field(description="Exposed communication / step time.")
     comm_bound: bool = Field(description="Exposed communication exceeds half the step.")
+    stage_compute_s: list[float] = Field(default_factory=list, description="Busy compute per pipeline rank "
+                                         "(first: + embedding, last: + head and loss).")
 
 
 def _span_link(x: _Layout, group: int, stride: int) -> str:
@@ -65,48 +83,46 @@ def _coll_time(hw: HardwareProfile, kind: str, n: int, nbytes: float, calls: int
     return wire, calls * steps * alpha + wire / bw
 
 
+# the compute windows a collective can hide behind; `_WINDOW_SETS` are the groups that must share one window
+# (nested: a collective allowed in a smaller window is also counted against every larger one)
+_WINDOWS = ("bwd_last", "bwd", "attn", "all")
+_WINDOW_SETS = (("bwd_last",), ("bwd_last", "bwd"), ("attn",), ("bwd_last", "bwd", "attn", "all"))
+_WINDOW_WORDS = {"bwd_last": "last micro-batch backward", "bwd": "backward", "attn": "attention",
+                 "all": "forward+backward", None: "none"}
+
+
 def _comm(x: _Layout, hw: HardwareProfile, t_compute: float) -> list[CommItem]:
-    """Collectives per optimizer step on the pipeline rank holding the first stage."""
-    items: list[CommItem] = []
+    """Collectives per optimizer step on the pipeline rank holding the first stage; `t_compute` is its busy
+    compute per step (the overlap budget)."""
+    # entries: (item fields, window, share of it on the critical path regardless of overlap)
+    entries: list[tuple[dict, str | None, float]] = []
     a = _acts(x)
     st = _states(x, stage_ids(x, 0))
     m = x.m
-    t_bwd = t_compute * 2 / 3
 
-    def add(prim: str, kind: str, n: int, nbytes: float, calls: int, link: str, overlap_s: float,
-            exposed_share: float = 1.0) -> None:
-        """`overlap_s` of compute can hide the collectives; `exposed_share` of them is on the critical path."""
+    def add(prim: str, kind: str, n: int, nbytes: float, calls: int, link: str, window: str | None,
+            critical: float = 0.0) -> None:
         if n <= 1 or nbytes <= 0 or calls <= 0:
             return
         wire, tm = _coll_time(hw, kind, n, nbytes, calls, link)
-        items.append(CommItem(primitive=prim, collective=kind, group_size=n, calls=calls, bytes=int(nbytes),
-                              wire_bytes=int(wire), link=link, time_s=tm,
-                              exposed_s=max(0.0, tm * exposed_share - overlap_s)))
+        entries.append((dict(primitive=prim, collective=kind, group_size=n, calls=calls, bytes=int(nbytes),
+                             wire_bytes=int(wire), link=link, time_s=tm), window, critical))
 
     dp_link = _span_link(x, x.dpcp, x.tp)
     layers = x.L // x.pp
     if x.ddp:
         nbytes = st.ddp_buckets
         calls = max(1, math.ceil(max(nbytes - FIRST_BUCKET_BYTES, 0) / BUCKET_BYTES) + 1)
-        # DDP's bucketed all-reduce overlaps the last micro-batch's backward; the last bucket is exposed
-        add("dp", "all_reduce", x.dpcp, nbytes, calls, dp_link, t_bwd / m * 0.9)
+        # DDP syncs only on the last micro-batch (no_sync before): its buckets overlap that backward
+        add("dp", "all_reduce", x.dpcp, nbytes, calls, dp_link, "bwd_last")
         if x.E and x.ep > 1:
             add("ep", "all_reduce", (x.dp // x.ep) * x.cp, 4 * (st.n_local - st.ddp_buckets // 4), 1,
-                dp_link, 0.0)
+                dp_link, None)
         if x.zero == 1:  # ZeroRedundancyOptimizer broadcasts every parameter from its owner after the step
             n_tensors = len(_block_tensors(x)) * layers + 3
-            add("zero1", "broadcast", x.dpcp, 4 * st.n_local, n_tensors, dp_link, 0.0)
+            add("zero1", "broadcast", x.dpcp, 4 * st.n_local, n_tensors, dp_link, None)
     if x.fsdp:
-        cb = 2 if x.path == "mp" else 4
-        units = st.all_units
-        ag_per_mb = 2 if x.zero == 3 else 1
-        if x.pp > 1:
-            ag_per_mb = 1
-        n_units = layers + 1
-        add("fsdp", "all_gather", x.dpcp, units * ag_per_mb * m, n_units * ag_per_mb * m, dp_link,
-            t_compute * 0.9)
-        rs = 1 if x.pp > 1 else m  # every micro-step (parallelize._grad_sync_fn), once per step under PP
-        add("fsdp", "reduce_scatter", x.dpcp, 4 * units // cb * rs, n_units * rs, dp_link, t_bwd * 0.9)
+        _fsdp(x, st.all_units, layers, add)
     if x.tp > 1:
         # tensor_parallel.py: one `f` (identity / all-gather under SP) and one `g` (all-reduce / reduce-scatter)
         # per attention and per MLP sub-block, forward and backward: 4 all-reduces of [b, T, D] per layer per
@@ -116,55 +132,145 @@ def _comm(x: _Layout, hw: HardwareProfile, t_compute: float) -> list[CommItem]:
         per_layer = 4 + (2 if x.recompute == "full" else 0)
         if x.sp:
             ag = per_layer + (1 if x.recompute == "selective" else 0) * 2
-            add("tp", "all_gather", x.tp, nb * ag * layers * m, ag * layers * m, "intra", 0.0)
-            add("tp", "reduce_scatter", x.tp, nb * per_layer * layers * m, per_layer * layers * m, "intra", 0.0)
+            add("tp", "all_gather", x.tp, nb * ag * layers * m, ag * layers * m, "intra", None)
+            add("tp", "reduce_scatter", x.tp, nb * per_layer * layers * m, per_layer * layers * m, "intra", None)
         else:
-            add("tp", "all_reduce", x.tp, nb * per_layer * layers * m, per_layer * layers * m, "intra", 0.0)
+            add("tp", "all_reduce", x.tp, nb * per_layer * layers * m, per_layer * layers * m, "intra", None)
     if x.pp > 1:
         # one activation forward and one gradient backward per micro-batch per chunk boundary; only the fill
         # and drain hops (2 (p - 1)) sit on the critical path, the rest overlap the other stages' compute
         link = "intra" if x.dp * x.cp * x.tp * 2 <= x.gpn else "inter"
         hops = 2 * m * x.v
-        add("pp", "p2p", 2, a.stream * hops, hops, link, 0.0, exposed_share=min(1.0, 2 * (x.pp - 1) / hops))
+        add("pp", "p2p", 2, a.stream * hops, hops, link, "all", critical=min(1.0, 2 * (x.pp - 1) / hops))
     if x.cp > 1:
         cb = 2 if x.path != "fp32" else 4
         kv = 2 * x.b * (x.G // x.tp) * (x.s // x.cp) * x.Dh
         fwd = (x.cp - 1) * kv * cb
         bwd = (x.cp - 1) * kv * cb + x.cp * kv * 4  # K/V again + the fp32 dK/dV shifts
-        nbytes = (fwd + bwd) * layers * m
-        calls = (3 * x.cp - 2) * layers * m
-        link = _span_link(x, x.cp, x.tp)
-        add("cp", "p2p", x.cp, nbytes, calls, link, t_compute * 0.3)
+        add("cp", "p2p", x.cp, (fwd + bwd) * layers * m, (3 * x.cp - 2) * layers * m, _span_link(x, x.cp, x.tp),
+            "attn")
     if x.E and x.ep > 1:
         n = x.b * x.s // x.cp
         _, Sk = _moe_slots(x, n)
         cb = 2 if x.path != "fp32" else 4
         nbytes = 4 * Sk * x.D * cb * layers * m  # dispatch + combine, forward and backward
-        add("ep", "all_to_all", x.ep, nbytes, 4 * layers * m, _span_link(x, x.ep, x.cp * x.tp), 0.0)
-    return items
+        add("ep", "all_to_all", x.ep, nbytes, 4 * layers * m, _span_link(x, x.ep, x.cp * x.tp), None)
+    return _expose(entries, t_compute, m)
+
+
+def _fsdp(x: _Layout, units: int, layers: int, add) -> None:
+    """FSDP2 (zero 2/3) and HSDP collectives. Without PP the template reduce-scatters every micro-step
+    (parallelize._grad_sync_fn) and FSDP re-gathers per micro-batch: zero 3 in forward and again in backward
+    (reshard_after_forward), zero 2 once. Under PP, torch's schedule keeps the unit gathered after each backward
+    but the last (set_reshard_after_backward) and reduce-scatters once: zero 3 re-gathers for each backward
+    (m + 1 in all), zero 2 gathers once. HSDP (dp_replicate r > 1): the shard group is dp*cp / r ranks; the
+    reduced shard is then all-reduced across the r replicas."""
+    m, cb = x.m, (2 if x.path == "mp" else 4)
+    r = x.dp_replicate if x.dp_replicate > 1 and x.dpcp % x.dp_replicate == 0 else 1
+    shard = x.dpcp // r
+    link = _span_link(x, shard, x.tp)
+    n_units = layers + 1
+    if x.pp > 1:
+        gathers, ag_window = (m + 1, "all") if x.zero == 3 else (1, "bwd_last")
+        syncs, rs_window = 1, "bwd_last"
+    else:
+        gathers, ag_window = (2 if x.zero == 3 else 1) * m, "all"
+        syncs, rs_window = m, "bwd"
+    prim = "hsdp" if r > 1 else "fsdp"
+    add(prim, "all_gather", shard, units * gathers, n_units * gathers, link, ag_window)
+    add(prim, "reduce_scatter", shard, 4 * units // cb * syncs, n_units * syncs, link, rs_window)
+    if r > 1:
+        add(prim, "all_reduce", r, 4 * units // cb // shard * syncs, n_units * syncs,
+            _span_link(x, r, shard * x.tp), rs_window)
+
+
+def _expose(entries: list[tuple[dict, str | None, float]], t_compute: float, m: int) -> list[CommItem]:
+    """Per link: critical-path collectives are exposed in full; the others share the compute they can hide
+    behind, so the exposed part is the largest (sum of times - window) over the nested window groups, split
+    over that group's collectives in proportion to their time."""
+    t_bwd = t_compute * 2 / 3
+    size = {"bwd_last": t_bwd / max(m, 1), "bwd": t_bwd, "attn": 0.3 * t_compute, "all": t_compute}
+    size = {k: v * OVERLAP_EFFICIENCY for k, v in size.items()}
+    exposed = [e[0]["time_s"] * e[2] if e[1] else e[0]["time_s"] for e in entries]
+    for link in {e[0]["link"] for e in entries}:
+        idx = [i for i, e in enumerate(entries) if e[0]["link"] == link and e[1]]
+        if not idx:
+            continue
+        hide = {i: entries[i][0]["time_s"] * (1 - entries[i][2]) for i in idx}
+        worst, group = 0.0, []
+        for names in _WINDOW_SETS:
+            members = [i for i in idx if entries[i][1] in names]
+            over = sum(hide[i] for i in members) - size[names[-1]]
+            if members and over > worst:
+                worst, group = over, members
+        total = sum(hide[i] for i in group)
+        for i in group:
+            exposed[i] += worst * hide[i] / total
+    return [CommItem(**e[0], exposed_s=exp, overlaps=_WINDOW_WORDS[e[1]]) for e, exp in zip(entries, exposed)]
+
+
+def _stage_costs(x: _Layout, hw: HardwareProfile) -> tuple[float, float, float]:
+    """Busy seconds per step of this rank's dp x cp x tp share of (all blocks, LM head + loss, embedding).
+    Blocks: executed FLOPs at the profile's efficiency (CP's ring attention at the fp32 peak). The last stage's
+    head: its GEMMs plus the loss (log_softmax forward + backward: ~4 fp32 passes over [tokens, V/tp],
+    memory-bound). The first stage's embedding: its dense [V/tp, D] fp32 gradient (zero-fill + index-add per
+    micro-batch, memory-bound)."""
+    tokens = x.gb * x.s / (x.dp * x.cp)  # this rank's tokens per step
+    peak = hw.peak_flops(x.dtype)
+    head_tok = 6.0 * x.V * x.D
+    blocks = tokens * (hardware_flops_per_token(x) - head_tok) / x.tp / (peak * hw.efficiency)
+    if x.cp > 1:
+        # context_parallel.py's ring attention multiplies unfused fp32 score tiles (no flash kernel): its
+        # attention FLOPs (causal half, plus the masked diagonal tiles) run at the fp32 peak, not the bf16 one
+        attn = tokens * 6.0 * x.L * x.H * x.Dh * x.s * (1 + 1 / (2 * x.cp)) / x.tp
+        if x.recompute == "full":
+            attn *= 4.0 / 3.0
+        blocks += attn / (hw.peak_flops("float32") * hw.efficiency) - attn / (peak * hw.efficiency)
+    bw = hw.mem_bw_gbps * 1e9
+    head = tokens * head_tok / x.tp / (peak * hw.efficiency) + tokens * 16.0 * x.V / x.tp / bw
+    embed = x.m * 8.0 * x.V * x.D / x.tp / bw
+    return blocks, head, embed
+
+
+def _pipeline(x: _Layout, hw: HardwareProfile) -> tuple[float, list[float]]:
+    """(makespan, busy compute per pipeline rank) of one step. The schedule is paced by its busiest rank (the
+    one with the head, or with embedding and head under ZBV's V placement), and idles the schedule's bubble
+    (`bubble_ratio`: its simulated action order with equal stages) times the average rank's work:
+    makespan = max(W_r) + bubble x mean(W_r); with equal stages it is the simulation's own makespan."""
+    blocks, head, embed = _stage_costs(x, hw)
+    if x.pp == 1:
+        return blocks + head + embed, [blocks + head + embed]
+    layers, first, last = _rank_layers(x.L, x.pp, x.v, x.schedule)
+    busy = [blocks * n / x.L for n in layers]
+    busy[first] += embed
+    busy[last] += head
+    return max(busy) + bubble_ratio(x) * sum(busy) / x.pp, busy
+
+
+@lru_cache(maxsize=1024)
+def _rank_layers(n_layers: int, pp: int, v: int, schedule: str) -> tuple[tuple[int, ...], int, int]:
+    """(layers each pipeline rank holds, the rank with stage 0, the rank with the last stage)."""
+    n_stages = pp * v
+    ids = [pipeline_stage_ids(pp, v, schedule, r) for r in range(pp)]
+    layers = tuple(sum(len(stage_layers(s, n_layers, n_stages)) for s in st) for st in ids)
+    return layers, next(r for r, st in enumerate(ids) if 0 in st), \
+        next(r for r, st in enumerate(ids) if n_stages - 1 in st)
 
 
 def _step_time(x: _Layout, hw: HardwareProfile) -> tuple[StepTime, list[CommItem]]:
     tokens_step = x.gb * x.s
-    f_rank = tokens_step * hardware_flops_per_token(x) / (x.dp * x.cp * x.tp * x.pp)
     peak = hw.peak_flops(x.dtype)
-    t_compute = f_rank / (peak * hw.efficiency)
-    if x.cp > 1:
-        # context_parallel.py's ring attention multiplies unfused fp32 score tiles (no flash kernel): its
-        # attention FLOPs (causal half, plus the masked diagonal tiles) run at the fp32 peak, not the bf16 one
-        attn = tokens_step * 6.0 * x.L * x.H * x.Dh * x.s * (1 + 1 / (2 * x.cp)) / (x.dp * x.cp * x.tp * x.pp)
-        if x.recompute == "full":
-            attn *= 4.0 / 3.0
-        t_compute += attn / (hw.peak_flops("float32") * hw.efficiency) - attn / (peak * hw.efficiency)
-    bubble = t_compute * bubble_fraction(x)
-    items = _comm(x, hw, t_compute)
+    span, busy = _pipeline(x, hw)
+    t_compute = max(busy)
+    bubble = max(0.0, span - t_compute)
+    items = _comm(x, hw, busy[0])
     exposed = sum(i.exposed_s for i in items)
     st = _states(x, stage_ids(x, 0))
     t_opt = 28.0 * st.n_stored / (hw.mem_bw_gbps * 1e9) / (x.dpcp if x.zero == 1 and x.dpcp > 1 else 1)
-    total = t_compute + bubble + exposed + t_opt
+    total = span + exposed + t_opt
     model_flops = tokens_step * flops_per_token(x)
     mfu = model_flops / (total * x.world * peak) if total > 0 else 0.0
     frac = exposed / total if total > 0 else 0.0
     return StepTime(compute_s=t_compute, bubble_s=bubble, comm_exposed_s=exposed, optimizer_s=t_opt, total_s=total,
                     tokens_per_s=tokens_step / total if total > 0 else 0.0, mfu=mfu, comm_fraction=frac,
-                    comm_bound=frac > 0.5), items
+                    comm_bound=frac > 0.5, stage_compute_s=busy if x.pp > 1 else []), items

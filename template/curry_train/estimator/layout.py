@@ -45,6 +45,9 @@ class _Layout:
     budget_gib: float
     has_z: bool
     has_aux: bool
+    # HSDP (issue: scale-out): replicas of the FSDP shard group; dp * cp = dp_replicate x shard group. The config
+    # has no field yet (parallel.dp_replicate), so it is 1 unless a caller sets it; estimator/comm.py times it.
+    dp_replicate: int = 1
 
     @property
     def Dh(self) -> int:
@@ -86,7 +89,8 @@ def _layout(cfg: Config) -> _Layout:
                    b=t.micro_batch, dp=p.dp, zero=p.zero, recompute=p.recompute, tp=p.tp, sp=p.sp, pp=p.pp,
                    schedule=p.pp_schedule, v=p.pp_virtual, ep=p.ep, cp=p.cp, dtype=t.dtype, device=device,
                    gpn=h.gpus_per_node, nodes=h.nodes, budget_gib=h.gpu_memory_gib,
-                   has_z=m.z_loss_coef > 0, has_aux=m.aux_loss_coef > 0)
+                   has_z=m.z_loss_coef > 0, has_aux=m.aux_loss_coef > 0,
+                   dp_replicate=int(getattr(p, "dp_replicate", 1) or 1))
 
 
 # One parameter tensor as one rank holds it before FSDP: (dim0, rest, global numel, fsdp group size kind)

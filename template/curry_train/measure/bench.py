@@ -27,36 +27,23 @@ from typing import Any, Self
 
 from pydantic import BaseModel, Field
 
+from curry_train.breakdown import CATEGORIES, Breakdown, split
 from curry_train.config import Config
 from curry_train.paths import runs_dir
 
-COMPONENTS = ("params", "grads", "optimizer", "activations", "other")
 
+class MemoryBreakdown(Breakdown):
+    """One rank's bytes at the moment of its peak, in the categories the estimator uses (curry_train/breakdown.py);
+    they sum to `peak` on CPU. `categories` keeps each category's own maximum over the step."""
 
-class MemoryBreakdown(BaseModel):
-    """One rank's bytes at the moment of its peak, in the estimator's five components (they sum to `peak` on CPU).
-
-    Folded from curry_train.measure.memory's finer categories the way the estimator counts them: param_copies
-    (FSDP-gathered / autocast copies of parameters) and grad_buffers (DDP buckets, FSDP unsharded grads) go to
-    `other`; `categories` keeps the fine split (each category's own maximum over the step).
-    """
-
-    params: int = 0
-    grads: int = 0
-    optimizer: int = 0
-    activations: int = 0
-    other: int = 0
     peak: int = Field(0, description="Peak bytes on this rank (CUDA: the allocator's high-water mark).")
     rank: int | None = Field(None, description="Which rank this is.")
     categories: dict[str, int] = Field(default_factory=dict, description="Per-category maxima over the step.")
 
 
-class EstimateSide(BaseModel):
-    params: int
-    grads: int
-    optimizer: int
-    activations: int
-    other: int
+class EstimateSide(Breakdown):
+    """The estimator's prediction for the same config, in the same categories."""
+
     total: int = Field(description="Predicted per-rank peak bytes (the rank with the largest total).")
     error_vs_measured: float | None = Field(None, description="total / measured peak - 1 (+ = over-estimate).")
 
@@ -75,8 +62,8 @@ class BenchResult(BaseModel):
     tokens_per_s: float | None
     peak_memory_bytes: int = Field(description="Largest per-rank peak (CUDA: allocator high-water mark).")
     per_rank_peak_bytes: list[int] = Field(default_factory=list)
-    memory_breakdown: MemoryBreakdown = Field(description="params/grads/optimizer/activations/other of the rank "
-                                                          "with the largest peak.")
+    memory_breakdown: MemoryBreakdown = Field(description="The rank with the largest peak, by category "
+                                                          "(curry_train/breakdown.py, the estimate's categories).")
     memory_budget_bytes: int = Field(description="hardware.gpu_memory_gib in bytes: the per-rank budget.")
     losses: list[float] = Field(default_factory=list, description="Loss of every step, warm-up included.")
     loss_finite: bool
@@ -203,18 +190,11 @@ def bench_job(spec: dict[str, Any]) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------------ service
 
 
-FOLD = {"param_copies": "other", "grad_buffers": "other"}  # as curry_train.estimator files them
-
-
 def fold(report: dict[str, Any], *, peak: int, rank: int) -> MemoryBreakdown:
-    """A MemoryReport dict -> the five components at the moment of the peak."""
-    at = report.get("at_peak") or {k: report.get(k, 0) for k in COMPONENTS}
-    comp = dict.fromkeys(COMPONENTS, 0)
-    for k, n in at.items():
-        comp[FOLD.get(k, k) if FOLD.get(k, k) in comp else "other"] += int(n or 0)
-    cats = {k: int(report[k]) for k in ("params", "param_copies", "grads", "grad_buffers", "optimizer",
-                                         "activations", "other") if report.get(k) is not None}
-    return MemoryBreakdown(**comp, peak=peak, rank=rank, categories=cats)
+    """A MemoryReport dict -> the categories at the moment of the peak (no folding: both sides share them)."""
+    at = report.get("at_peak") or report
+    cats = {k: int(report[k]) for k in CATEGORIES if report.get(k) is not None}
+    return MemoryBreakdown(**split(at), peak=peak, rank=rank, categories=cats)
 
 
 def _estimate(cfg: Config) -> EstimateSide | None:
@@ -225,10 +205,8 @@ def _estimate(cfg: Config) -> EstimateSide | None:
         if e.name == "curry_train.estimator":
             return None
         raise
-    est = estimate_memory(cfg)
-    mem = getattr(est, "memory", est)
-    get = (lambda k: getattr(mem, k)) if not isinstance(mem, dict) else mem.__getitem__
-    return EstimateSide(**{k: int(get(k)) for k in (*COMPONENTS, "total")})
+    mem = estimate_memory(cfg).memory
+    return EstimateSide(**mem.by_category(), total=mem.total)
 
 
 def _model_flops_per_token(cfg: Config) -> float | None:
@@ -285,18 +263,18 @@ def summarise(cfg: Config, values: list[dict[str, Any]], *, run_id: str, config_
     )
 
 
-def write_plot(result: BenchResult, path: Path) -> Path:
-    from curry_train.plots import memory_breakdown_png
+def write_plot(result: BenchResult, path: Path, usable_bytes: int | None = None) -> Path:
+    """The memory picture of a bench: estimate and measured bars in the shared categories, the budget line."""
+    from curry_train.plots import layout_title, memory_breakdown_png
 
-    bars = {"measured": result.memory_breakdown.model_dump()}
+    bars = {"measured": result.memory_breakdown.by_category()}
     peaks = {"measured": result.peak_memory_bytes}
     if result.estimate is not None:
-        bars = {"estimate": result.estimate.model_dump(), **bars}
+        bars = {"estimate": result.estimate.by_category(), **bars}
         peaks["estimate"] = result.estimate.total
-    p = result.parallel
-    title = (f"{result.config_name} DP={p['dp']} ZERO={p['zero']} TP={p['tp']} PP={p['pp']} CP={p['cp']} "
-             f"RANK {result.memory_breakdown.rank}")
-    path.write_bytes(memory_breakdown_png(bars, title=title, budget_bytes=result.memory_budget_bytes, peaks=peaks))
+    title = f"{layout_title(result.config_name, result.parallel)}, rank {result.memory_breakdown.rank}"
+    path.write_bytes(memory_breakdown_png(bars, title=title, budget_bytes=result.memory_budget_bytes,
+                                          usable_bytes=usable_bytes, peaks=peaks))
     return path
 
 
@@ -328,15 +306,17 @@ def bench(config: str, steps: int = 5, warmup: int = 1, overrides: dict[str, Any
           root: str | Path | None = None, timeout: float = 900.0, cancel: threading.Event | None = None,
           progress: Callable[[str], None] | None = None) -> BenchResult:
     """Benchmark `config` (a name in configs/) with dotted `overrides`; the run is recorded in the ledger."""
-    from curry_train.train.launch import LaunchError, start_torchrun
-    from curry_train.store.runs import Ledger
+    from curry_train.measure.preflight import preflight
     from curry_train.measure.service import resolve
+    from curry_train.store.runs import Ledger
+    from curry_train.train.launch import LaunchError, start_torchrun
 
     if steps < 1 or warmup < 0:
         raise ValueError("steps must be >= 1 and warmup >= 0")
     say = progress or (lambda msg: None)
     overrides = dict(overrides or {})
     cfg, name = resolve(config, overrides, root)
+    preflight(cfg, name)  # before the run is recorded: a config this machine cannot run launches nothing
     ledger = Ledger(root)
     rec = ledger.start("bench", cfg, name)
     run_path = ledger.path.parent / rec.run_id
@@ -367,6 +347,9 @@ def bench(config: str, steps: int = 5, warmup: int = 1, overrides: dict[str, Any
     say("ranks finished; summarising")
     result = summarise(cfg, values, run_id=rec.run_id, config_name=name, overrides=overrides, steps=steps,
                        warmup=warmup, wall_s=time.perf_counter() - t0)
-    result.plot_path = str(write_plot(result, run_path / "memory.png"))
+    from curry_train.estimator import reserve_bytes
+
+    usable = result.memory_budget_bytes - reserve_bytes(cfg)
+    result.plot_path = str(write_plot(result, run_path / "memory.png", usable))
     ledger.finish(rec.run_id, status="ok", metrics=result.model_dump(mode="json"))
     return result

@@ -75,6 +75,10 @@ class HardwareReport(BaseModel):
     launcher: dict[str, str] = Field(default_factory=dict, description="torchrun variables set in this process.")
     cluster: dict[str, str] = Field(default_factory=dict, description="SLURM / MPI / device-visibility variables.")
     source: str = Field(description="Where GPU facts came from: nvml, torch, or none.")
+    about: str = Field("This machine: the one the tools run on. For a cluster you plan for, ask plan / "
+                       "estimate_memory instead; bench, whitebox_compare and a measured capacity_sweep check a "
+                       "config against this report before launching.",
+                       description="What this report describes.")
     measured: MeasuredPerf | None = None
     notes: list[str] = Field(default_factory=list)
 
@@ -185,6 +189,45 @@ def _torch_facts(notes: list[str]) -> dict[str, Any]:
         except (RuntimeError, AttributeError):
             pass
     return out
+
+
+def _torch_facts_without_import(notes: list[str]) -> dict[str, Any]:
+    """torch's version, CUDA build and backends from its installed files, without importing it (which takes
+    seconds): torch/version.py holds __version__ and cuda; gloo ships in every Linux build, NCCL in CUDA builds."""
+    import importlib.util
+    import re
+
+    spec = importlib.util.find_spec("torch")
+    if spec is None or not spec.submodule_search_locations:
+        notes.append("torch is not installed")
+        return {}
+    try:
+        text = (Path(next(iter(spec.submodule_search_locations))) / "version.py").read_text(encoding="utf-8")
+    except OSError:
+        return _torch_facts(notes)
+    get = {k: (m.group(1) if (m := re.search(rf"^{k}\s*(?::\s*\w[^=]*)?=\s*'([^']*)'", text, re.M)) else None)
+           for k in ("__version__", "cuda")}
+    notes.append("nccl_version is read only by probe_hardware(measure=true) (it needs torch imported)")
+    return {"torch_version": get["__version__"], "cuda_version": get["cuda"],
+            "backends": ["gloo", "nccl"] if get["cuda"] else ["gloo"]}
+
+
+_QUICK: dict[str, HardwareReport] = {}
+
+
+def local_hardware() -> HardwareReport:
+    """This machine, cheaply (NVML and torch's files; no torch import, no CUDA context), cached for the life of the
+    process: what the preflight checks and probe_hardware(measure=false) answer with."""
+    if "report" not in _QUICK:
+        notes: list[str] = []
+        launcher, cluster = _env()
+        nvml = _nvml_gpus(notes)
+        gpus, topo, driver = nvml if nvml is not None else ([], None, None)
+        _QUICK["report"] = HardwareReport(
+            gpu_count=len(gpus), gpus=gpus, topology=topo, cpu_count=os.cpu_count() or 1,
+            memory_bytes=_host_memory(), driver_version=driver, launcher=launcher, cluster=cluster,
+            source="nvml" if nvml is not None else "none", notes=notes, **_torch_facts_without_import(notes))
+    return _QUICK["report"].model_copy(deep=True)
 
 
 def probe_hardware(measure: bool = False, *, timeout: float = 300.0, cancel=None) -> HardwareReport:

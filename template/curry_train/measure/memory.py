@@ -25,9 +25,12 @@ category:
   optimizer     optimizer state on this rank (AdamW exp_avg, exp_avg_sq, step); ZeRO-1..3 hold ~1/d of it.
   activations   tensors created by the forward pass (the batch, every op output, logits, loss) and by
                 recomputation during backward, while alive: what backward reads, plus forward transients.
+  loss          the loss gradients, fp32 [tokens, vocab] (nll_loss_backward, log_softmax's backward), found by
+                the aten ops that make them; log_softmax's saved output is an activation.
+  pp_buffers    the pipeline's receive buffers (one activation / gradient buffer per micro-batch and stage).
   other         the rest: activation gradients and other backward temporaries, FSDP's staging buffers (the
                 copy-in / mixed-precision cast of the shards, the flat all-gather output, the reduce-scatter
-                input), optimizer-step temporaries, module buffers (RoPE tables), the pipeline's receive buffers.
+                input), optimizer-step temporaries, module buffers (RoPE tables).
 
 Each category field is that category's maximum over the step. `peak` is the maximum of the total, which is at
 most the sum of the fields (the categories peak at different moments: activations at the end of a forward,
@@ -62,12 +65,15 @@ from torch.distributed._tools.common_utils import get_untyped_storages
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 
+from curry_train.breakdown import CATEGORIES
 from curry_train.config import Config
 
 # FSDPParamGroup methods that run FSDP's all-gathers, reduce-scatters and their copy-in / copy-out.
 _FSDP_METHODS = ("unshard", "wait_for_unshard", "reshard", "pre_backward", "post_backward", "finalize_backward")
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
-CATEGORIES = ("params", "param_copies", "grads", "grad_buffers", "optimizer", "activations", "other")
+# The categories are curry_train/breakdown.py's, shared with the estimator. The loss gradients ([tokens, vocab]
+# fp32) are found by the aten ops that make them (F.cross_entropy's backward decomposes into these).
+_LOSS_OPS = {torch.ops.aten._log_softmax_backward_data.default, torch.ops.aten.nll_loss_backward.default}
 
 
 class MemoryReport(BaseModel):
@@ -81,6 +87,8 @@ class MemoryReport(BaseModel):
     grad_buffers: int = Field(description="Max of DDP buckets and FSDP unsharded gradients.")
     optimizer: int = Field(description="Optimizer state.")
     activations: int = Field(description="Max of live forward-created and recomputed tensors.")
+    loss: int = Field(0, description="Max of the loss gradients (nll_loss and log_softmax backward).")
+    pp_buffers: int = Field(0, description="Pipeline receive buffers.")
     other: int = Field(description="Max of everything else: backward / optimizer temporaries, comm staging, buffers.")
     peak: int = Field(description="Max of the total live bytes over the step.")
     at_peak: dict[str, int] = Field(description="Split of `peak` by category at the moment it was reached.")
@@ -155,7 +163,7 @@ class StepMemoryTracker(TorchDispatchMode):
         self.params = [fp.sharded_param for fp in self.fsdp_params]
         for part in par.parts:
             self.params += [p for p in part.parameters() if id(p) not in managed and not managed.add(id(p))]
-        static: dict[str, list] = {"params": [], "optimizer": []}
+        static: dict[str, list] = {"params": [], "optimizer": [], "pp_buffers": []}
         for p in self.params:
             static["params"] += self._register(p, "pre")
         opts = [par.optimizer, getattr(par.optimizer, "optim", None)]  # ZeRO-1 keeps the local AdamW in .optim
@@ -168,7 +176,7 @@ class StepMemoryTracker(TorchDispatchMode):
             for b in part.buffers():
                 self._register(b, "pre")
         for t in _pipeline_recv_buffers(par):  # filled by c10d, not by an aten op: only found by role
-            self._register(t, "pre")
+            static["pp_buffers"] += self._register(t, "pre")
         self.copy_keys = set()  # FSDP's unsharded parameters: storages it resizes to 0 and back, so keys persist
         for fp in self.fsdp_params:
             for t in [*fp.all_gather_outputs, fp.__dict__.get("_unsharded_param")]:
@@ -255,6 +263,7 @@ class StepMemoryTracker(TorchDispatchMode):
         take("param_copies", self.copy_keys)
         cat["param_copies"] += rest.pop("pcopy", 0)
         cat["activations"] += rest.pop("fwd", 0)
+        cat["loss"] += rest.pop("loss", 0)
         cat["other"] += sum(rest.values())
         return cat
 
@@ -274,6 +283,8 @@ class StepMemoryTracker(TorchDispatchMode):
         if (func is torch.ops.aten._to_copy.default and args and _real(args[0])
                 and any(st._cdata in self.param_keys for st in _storages(args[0]))):
             return "pcopy"  # autocast's cast of a parameter
+        if func in _LOSS_OPS:
+            return "loss"
         if torch._C._current_graph_task_id() == -1 or _is_recomputing():
             return "fwd"
         return "bwd"

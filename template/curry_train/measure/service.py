@@ -7,10 +7,13 @@ process starts (ConfigError -> nothing launched, nothing recorded), and records 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
 from curry_train.config import Config, load_config
+from curry_train.measure.preflight import preflight
 from curry_train.paths import resolve_config_arg
 from curry_train.store.runs import Ledger, RunRecord
 
@@ -27,17 +30,25 @@ def resolve(config: str, overrides: dict[str, Any] | None = None, root: str | Pa
 
 
 def train(config: str, overrides: dict[str, Any] | None = None, *, root: str | Path | None = None,
-          timeout: float = 1800.0, cancel: threading.Event | None = None) -> RunRecord:
-    """Train cfg.train.steps steps on world_size ranks through torchrun; returns the finished run record."""
+          timeout: float = 1800.0, cancel: threading.Event | None = None,
+          progress: Callable[[str], None] | None = None) -> RunRecord:
+    """Train cfg.train.steps steps on world_size ranks through torchrun; returns the finished run record.
+    `progress` gets a line at launch and step lines while it runs (train/progress.py)."""
     from curry_train.train.launch import LaunchError, run_torchrun
+    from curry_train.train.progress import follow_steps
 
     cfg, name = resolve(config, overrides, root)
+    preflight(cfg, name)
     ledger = Ledger(root)
     rec = ledger.start("train", cfg, name)
     run_path = Path(ledger.path.parent / rec.run_id)
+    say = progress or (lambda msg: None)
+    say(f"run {rec.run_id}: launching {cfg.world_size} rank(s) through torchrun for {cfg.train.steps} steps; "
+        f"step lines follow once the ranks have imported torch and built the model (log: {run_path / 'ranks.log'})")
     try:
-        values = run_torchrun({"kind": "train", "config": cfg.to_dict()}, cfg.world_size, run_path,
-                              timeout=timeout, cancel=cancel)
+        with follow_steps(run_path / "ranks.log", cfg.train.steps, say) if progress else nullcontext():
+            values = run_torchrun({"kind": "train", "config": cfg.to_dict(), "progress": progress is not None},
+                                  cfg.world_size, run_path, timeout=timeout, cancel=cancel)
     except LaunchError as e:
         ledger.finish(rec.run_id, status="cancelled" if "cancelled" in str(e) else "failed", error=str(e)[:4000])
         raise
@@ -59,6 +70,7 @@ def whitebox(config: str, overrides: dict[str, Any] | None = None, *, steps: int
     from curry_train.validation.whitebox import run_whitebox
 
     cfg, name = resolve(config, overrides, root)
+    preflight(cfg, name)
     ledger = Ledger(root)
     rec = ledger.start("whitebox", cfg, name)
     try:

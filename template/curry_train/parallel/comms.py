@@ -31,7 +31,7 @@ class AllToAll(torch.autograd.Function):
     Forward: rank r sends rows [sum(in_splits[:j]), +in_splits[j]) of x [S, D] to rank j and receives
     out_splits[j] rows from rank j, concatenated in rank order -> [R, D].
     Backward: the transposed exchange (out_splits and in_splits swap roles), so gradients return to the rows
-    they came from. The list form `all_to_all` rejects uneven shapes on gloo (torch-cpu-distributed.md quirk 3).
+    they came from. The list form `all_to_all` rejects uneven shapes on gloo (docs/CPU-DISTRIBUTED.md, quirk 3).
     """
 
     @staticmethod

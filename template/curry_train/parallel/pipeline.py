@@ -39,6 +39,8 @@ from curry_train.config import Config
 from curry_train.mesh import dp_cp_mesh
 from curry_train.model.data import cp_positions, micro_batches
 from curry_train.model.gpt import lm_loss
+from curry_train.rules import pipeline_stage_ids
+from curry_train.rules import stage_layers as rules_stage_layers
 
 SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved_1f1b": "ScheduleInterleaved1F1B"}
 
@@ -52,17 +54,15 @@ def schedule_name(cfg: Config) -> str:
 
 
 def stage_ids(pp_rank: int, cfg: Config) -> list[int]:
-    """Stage indices held by pipeline rank `pp_rank`, in the order the schedule expects."""
-    p, v = cfg.parallel.pp, cfg.parallel.pp_virtual
-    if schedule_name(cfg) == "ScheduleZBVZeroBubble":
-        return [pp_rank, 2 * p - 1 - pp_rank]  # V: down the ranks, then back up, so the turn stays local
-    return [pp_rank + k * p for k in range(v)]  # looped (v = 1: one stage per rank)
+    """Stage indices held by pipeline rank `pp_rank`, in the order the schedule expects (rules.py: looped, or
+    a V for ScheduleZBVZeroBubble so the turn stays local); the estimator uses the same function."""
+    p = cfg.parallel
+    return pipeline_stage_ids(p.pp, p.pp_virtual, p.pp_schedule, pp_rank)
 
 
 def stage_layers(stage: int, cfg: Config) -> list[int]:
     """Global layer indices of a stage: a contiguous, equal share (uneven splits are refused by config.check)."""
-    per = cfg.model.n_layers // (cfg.parallel.pp * cfg.parallel.pp_virtual)
-    return list(range(stage * per, (stage + 1) * per))
+    return rules_stage_layers(stage, cfg.model.n_layers, cfg.parallel.pp * cfg.parallel.pp_virtual)
 
 
 def build_stage_module(model: nn.Module, stage: int, cfg: Config) -> nn.Module:

@@ -19,14 +19,15 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
+from curry_train.breakdown import JsonValue
 from curry_train.config import ConfigError, Problem, dump_yaml, flatten, from_dict, load_yaml
 from curry_train.paths import _inside, atomic_write_text, config_path, configs_dir
 
 
 class ConfigChange(BaseModel):
     key: str = Field(description="Dotted key, e.g. parallel.dp")
-    old: Any = Field(description="Value before (None when the config is new)")
-    new: Any
+    old: JsonValue = Field(description="Value before (null when the config is new)")
+    new: JsonValue = Field(description="Value after (null when the key was removed)")
 
 
 class ConfigUpdate(BaseModel):

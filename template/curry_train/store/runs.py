@@ -20,6 +20,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
+from curry_train.breakdown import CATEGORIES, JsonValue
 from curry_train.config import Config, dump_yaml, flatten
 from curry_train.paths import atomic_write_text, check_name, run_dir, runs_dir
 
@@ -52,14 +53,14 @@ class RunRecord(BaseModel):
 
 class Change(BaseModel):
     key: str
-    a: Any
-    b: Any
+    a: JsonValue = Field(description="Value in run_a (null when absent).")
+    b: JsonValue = Field(description="Value in run_b (null when absent).")
 
 
 class MetricChange(BaseModel):
     metric: str
-    a: Any
-    b: Any
+    a: JsonValue = Field(description="Value in run_a (null when absent).")
+    b: JsonValue = Field(description="Value in run_b (null when absent).")
     ratio: float | None = Field(None, description="b / a for numbers (None when a is 0 or not a number)")
 
 
@@ -135,35 +136,73 @@ def _record(row: tuple) -> RunRecord:
                      config=json.loads(row[6]), metrics=json.loads(row[7] or "{}"), error=row[8])
 
 
+# Metrics that describe the call rather than the run's result: never a "change" (run ids, wall time, file paths,
+# echoes of the config, per-step / per-rank lists whose headline is compared instead, the fine category maxima).
+_BOOKKEEPING = ("run_id", "wall_s", "plot_path", "config_name", "overrides.", "parallel.", "steps", "warmup",
+                "step_times_s", "per_rank_peak_bytes", "memory_breakdown.categories.", "memory_breakdown.rank",
+                "world_size", "device", "memory_budget_bytes", "config_overrides.", "losses", "tolerance.",
+                "failures", "n_params_compared")
+
+
 def _scalars(metrics: dict[str, Any]) -> dict[str, Any]:
-    """Comparable metrics: numbers and short strings, flattened (lists by their last element, e.g. final loss)."""
+    """Comparable metrics: numbers and short strings, flattened, bookkeeping left out."""
     out = {}
     for k, v in flatten(metrics).items():
-        if isinstance(v, list) and v and all(isinstance(x, (int, float)) for x in v):
-            out[f"{k}[-1]"] = v[-1]
-        elif isinstance(v, (int, float, bool, str)) or v is None:
+        if k == "losses" and isinstance(v, list) and v:
+            out["losses[-1]"] = v[-1]  # the final loss; the verdict compares every step
+        if k.startswith(_BOOKKEEPING) or k in ("steps", "warmup", "device", "world_size"):
+            continue
+        if isinstance(v, (int, float, bool, str)) or v is None:
             out[k] = v
     return out
 
 
+def _loss_verdict(a: RunRecord, b: RunRecord) -> str | None:
+    la, lb = a.metrics.get("losses") or [], b.metrics.get("losses") or []
+    if not la or not lb:
+        return None
+    if la == lb:
+        return f"identical losses ({len(la)} steps, final {la[-1]:.4f})"
+    n = min(len(la), len(lb))
+    worst = max(abs(x - y) for x, y in zip(la[:n], lb[:n], strict=True)) if n else 0.0
+    rel = (lb[-1] - la[-1]) / abs(la[-1]) if la[-1] else float("inf")
+    return (f"losses differ: final {la[-1]:.4f} -> {lb[-1]:.4f} ({rel:+.2%}), largest per-step difference "
+            f"{worst:.3g} over {n} steps")
+
+
+def _memory_verdict(by: dict[str, MetricChange]) -> str | None:
+    m = by.get("peak_memory_bytes")
+    if not m or m.ratio is None:
+        return None
+    cats = [(c, by[f"memory_breakdown.{c}"]) for c in CATEGORIES if f"memory_breakdown.{c}" in by]
+    moved = sorted(cats, key=lambda cm: -abs((cm[1].b or 0) - (cm[1].a or 0)))[:3]
+    detail = ", ".join(f"{c} {(x.a or 0) / 2**20:.2f} -> {(x.b or 0) / 2**20:.2f} MiB" for c, x in moved)
+    return f"peak memory x{m.ratio:.2f}" + (f" ({detail})" if detail else "")
+
+
 def diff_runs(a: RunRecord, b: RunRecord) -> RunsDiff:
-    """Config keys that differ, metrics side by side with b/a ratios, and a one-line verdict."""
+    """Config keys that differ, metrics that changed with b/a ratios, and a one-line verdict."""
     fa, fb = flatten(a.config), flatten(b.config)
     changes = [Change(key=k, a=fa.get(k), b=fb.get(k)) for k in sorted(set(fa) | set(fb)) if fa.get(k) != fb.get(k)]
     ma, mb = _scalars(a.metrics), _scalars(b.metrics)
     metric_changes = []
     for k in sorted(set(ma) | set(mb)):
         x, y = ma.get(k), mb.get(k)
+        if x == y:
+            continue
         num = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (x, y))
         metric_changes.append(MetricChange(metric=k, a=x, b=y, ratio=(y / x) if num and x else None))
-    parts = [f"{len(changes)} config change(s)" + (f" ({', '.join(c.key for c in changes[:3])})" if changes else "")]
+    parts = []
+    if a.kind != b.kind:
+        parts.append(f"different kinds: run_a is a {a.kind} run, run_b a {b.kind} run, so their metrics do not "
+                     f"compare; diff two {a.kind} runs (run://index lists them)")
+    parts.append(f"{len(changes)} config change(s)" + (f" ({', '.join(c.key for c in changes[:3])})" if changes
+                                                        else ""))
     by = {m.metric: m for m in metric_changes}
-    for key, label, good_high in (("step_time_s", "step time", False), ("tokens_per_s", "throughput", True),
-                                  ("peak_memory_bytes", "peak memory", False)):
+    for key, label in (("step_time_s", "step time"), ("tokens_per_s", "throughput")):
         m = by.get(key)
         if m and m.ratio is not None:
             parts.append(f"{label} x{m.ratio:.2f}")
-    if not changes and all(m.a == m.b for m in metric_changes if "loss" in m.metric):
-        parts.append("identical losses")
+    parts += [v for v in (_memory_verdict(by), _loss_verdict(a, b)) if v]
     return RunsDiff(run_a=a.run_id, run_b=b.run_id, config_changes=changes, metric_changes=metric_changes,
                     verdict="; ".join(parts))

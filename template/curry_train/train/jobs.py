@@ -24,7 +24,15 @@ def train_job(spec: dict[str, Any]) -> dict[str, Any]:
     from curry_train.config import from_dict
     from curry_train.train.loop import run_training
 
-    return run_training(from_dict(spec["config"]))
+    log = None
+    if spec.get("progress"):  # one JSON line per step on stderr (ranks.log), followed by train/progress.py
+        import json
+        import sys
+
+        def log(rec: dict[str, Any]) -> None:
+            print(json.dumps(rec), file=sys.stderr, flush=True)
+
+    return run_training(from_dict(spec["config"]), log=log)
 
 
 def selftest_job(spec: dict[str, Any]) -> dict[str, Any]:

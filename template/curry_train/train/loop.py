@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     if dist.is_initialized():
         import gc
 
-        gc.collect()  # DDP reference cycles alive at destroy abort the process (torch-cpu-distributed.md quirk 1)
+        gc.collect()  # DDP reference cycles alive at destroy abort the process (docs/CPU-DISTRIBUTED.md, quirk 1)
         dist.destroy_process_group()
     if is_rank0:
         print(json.dumps({"first_loss": out["losses"][0], "last_loss": out["losses"][-1]}), file=sys.stderr)

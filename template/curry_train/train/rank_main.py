@@ -30,7 +30,7 @@ def main(spec_path: str) -> int:
     tmp.write_text(json.dumps(result), encoding="utf-8")
     os.replace(tmp, out / f"rank{rank}.json")
     if dist.is_initialized():
-        gc.collect()  # torch-cpu-distributed.md quirk 1
+        gc.collect()  # docs/CPU-DISTRIBUTED.md, quirk 1
         dist.destroy_process_group()
     return 0 if result["ok"] else 1
 

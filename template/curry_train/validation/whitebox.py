@@ -7,7 +7,7 @@ micro-batches (dp rank r's micro-batch m is the same rows of the same step), pla
 Parallel: N ranks through the launcher; after each backward every parameter's gradient is gathered to full
 shape (DTensor.full_tensor for FSDP/TP, stage dicts for PP, expert shards for EP) under its reference name.
 
-Tolerances (fp32; measured noise in ../shared/notes/torch-cpu-distributed.md §2, kept >= 10x above it):
+Tolerances (fp32; measured noise in docs/CPU-DISTRIBUTED.md, kept >= 10x above it):
   loss       |d| <= 1e-5 * max(1, |ref|)      observed <= 9.5e-7: reductions sum in another order
   gradients  |d| <= 1e-6 + 1e-5 * |ref|       observed <= 3.4e-8 (elementwise; relative error alone is
                                               meaningless for near-zero grads)

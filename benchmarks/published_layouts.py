@@ -1,0 +1,167 @@
+"""Published training setups as a benchmark for `plan`: does it pick what the people who trained these models
+picked, and does the estimator agree with their measured memory?
+
+    .venv/bin/python benchmarks/published_layouts.py            # a table, then one JSON line (the worst of each)
+    .venv/bin/python benchmarks/published_layouts.py --json     # only the JSON line
+
+Setups (each preset's comment gives its source; published-layout rows are the papers' own layouts):
+  megatron-1.7b ... megatron-1t   Narayanan et al. 2021 (arXiv:2104.04473) Table 1, A100 80 GB
+  bloom-176b                      BigScience tr11 (TP 4 x PP 12 x DP 8 on 384 A100 80 GB; 70 layers: uneven)
+  opt-175b                        Zhang et al. 2022 (arXiv:2205.01068): FSDP x TP 8 on 992 A100 80 GB
+  mt-nlg-530b                     Smith et al. 2022 (arXiv:2201.11990): TP 8 x PP 35 x DP 8 on 2,240 A100 80 GB
+  torchtitan rows                 pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md: Llama 3.1 8B
+                                  and 70B on H100 96 GB with their measured peak memory (max over GPUs)
+For each: `plan` on the setup's cluster, sequence, batch and micro-batch, and
+  gpus          GPUs `final` uses, of the cluster's
+  final/clean   final's estimated step time over the fastest layout without an anti-pattern (target <= 1.10)
+  published     the published layout's rank among the fitting layouts (any ZeRO stage, recompute and schedule of
+                its tp x pp x dp) and its step time over #1 (target <= 1.15), where the template can express it
+  memory        the estimate of the published layout against the published measurement (target within 15%)
+  anti          the anti-patterns of `final` (curry_train.rules.anti_patterns; target none)
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import sys
+import time
+from typing import Any
+
+GiB = 2**30
+
+# name, preset, gpu profile, memory GiB, published (tp, pp, dp) or None, overrides of the preset, measured GiB
+SETUPS: list[tuple[str, str, str, float, tuple[int, int, int] | None, dict[str, Any], float | None]] = [
+    ("megatron-1.7b", "megatron-1.7b", "A100-80", 80.0, (1, 1, 32), {}, None),
+    ("megatron-18b", "megatron-18b", "A100-80", 80.0, (8, 1, 32), {}, None),
+    ("megatron-39b", "megatron-39b", "A100-80", 80.0, (8, 2, 32), {}, None),
+    ("megatron-146b", "megatron-146b", "A100-80", 80.0, (8, 8, 24), {}, None),
+    ("megatron-310b", "megatron-310b", "A100-80", 80.0, (8, 16, 15), {}, None),
+    ("megatron-1t", "megatron-1t", "A100-80", 80.0, (8, 64, 6), {}, None),
+    ("bloom-176b", "bloom-176b", "A100-80", 80.0, None, {}, None),  # TP4 PP12 DP8: uneven stages
+    ("opt-175b", "opt-175b", "A100-80", 80.0, (8, 1, 124), {}, None),
+    ("mt-nlg-530b", "mt-nlg-530b", "A100-80", 80.0, (8, 35, 8), {}, None),
+    # torchtitan: H100 with 96 GB HBM (about 94 GiB usable as the device total); H100 speed
+    ("titan-8b-fsdp8", "llama3-8b", "H100", 94.0, (1, 1, 8),
+     {"train.seq_len": 8192, "train.global_batch": 16, "train.micro_batch": 2, "parallel.dp": 8,
+      "parallel.zero": 3, "parallel.tp": 1, "parallel.sp": False, "parallel.recompute": "selective",
+      "hardware.nodes": 1}, 82.4),
+    ("titan-8b-fsdp128", "llama3-8b", "H100", 94.0, (1, 1, 128),
+     {"train.seq_len": 8192, "train.global_batch": 256, "train.micro_batch": 2, "parallel.dp": 128,
+      "parallel.zero": 3, "parallel.tp": 1, "parallel.sp": False, "parallel.recompute": "selective",
+      "hardware.nodes": 16}, 67.0),
+    ("titan-70b-fsdp32-tp8", "llama3-70b", "H100", 94.0, (8, 1, 32),
+     {"train.seq_len": 8192, "train.global_batch": 512, "train.micro_batch": 16, "parallel.dp": 32,
+      "parallel.zero": 3, "parallel.tp": 8, "parallel.sp": True, "parallel.recompute": "full",
+      "hardware.nodes": 32}, 71.9),  # Float8 + torch.compile in the source: indicative
+]
+
+
+def _shape(par: dict[str, Any]) -> tuple[int, int, int, int]:
+    return par.get("tp", 1), par.get("pp", 1), par.get("dp", 1), par.get("cp", 1)
+
+
+def _anti(cfg_dict: dict[str, Any], par: dict[str, Any], row: Any) -> list[str]:
+    """A row's anti-patterns: its own field when the planner gives one, else the rule set on its config."""
+    if row is not None and getattr(row, "anti_patterns", None) is not None:
+        return [getattr(a, "id", str(a)) if not isinstance(a, dict) else a.get("id", str(a))
+                for a in row.anti_patterns]
+    from curry_train.config import from_dict
+    from curry_train.rules import anti_patterns
+
+    raw = {**cfg_dict, "parallel": {**cfg_dict["parallel"], **par}}
+    return [a.id for a in anti_patterns(from_dict(raw, validate=False))]
+
+
+def run_one(name: str, preset: str, gpu: str, mem: float, published: tuple[int, int, int] | None,
+            overrides: dict[str, Any], measured: float | None) -> dict[str, Any]:
+    from curry_train.advice.planner import plan
+    from curry_train.estimator import estimate, load_any
+
+    cfg = load_any(preset, overrides)
+    h, t = cfg.hardware, cfg.train
+    world = h.gpus_per_node * h.nodes
+    kw: dict[str, Any] = {"micro_batch": t.micro_batch, "hardware": gpu, "top": 100_000}
+    if "gpu" in inspect.signature(plan).parameters:
+        kw["gpu"] = gpu
+    t0 = time.perf_counter()
+    p = plan(preset, h.gpus_per_node, h.nodes, mem, t.seq_len, t.global_batch, **kw)
+    seconds = time.perf_counter() - t0
+    base = {**cfg.to_dict(), "hardware": {**cfg.to_dict()["hardware"], "gpu_memory_gib": mem}}
+    rows = p.ranked
+    final = p.final
+    used = final.get("dp", 1) * final.get("tp", 1) * final.get("pp", 1) * final.get("cp", 1)
+    f_row = next((r for r in rows if r.parallel == final), None)
+    f_step = f_row.step_time_s if f_row is not None else p.rungs[-1].step_time_s
+    clean = [r for r in rows if not _anti(base, r.parallel, r)]
+    best_clean = min((r.step_time_s for r in clean), default=None)
+    out: dict[str, Any] = {
+        "setup": name, "gpus": world, "gpus_used": used, "idle_reason": getattr(p, "idle_reason", None),
+        "fits": p.fits, "final": {k: final.get(k) for k in ("dp", "zero", "tp", "pp", "cp", "pp_schedule",
+                                                           "recompute")},
+        "final_step_s": f_step, "best_clean_step_s": best_clean,
+        "final_over_clean": f_step / best_clean if best_clean else None,
+        "final_anti_patterns": _anti(base, final, f_row), "layouts_fitting": p.layouts_fitting,
+        "plan_seconds": seconds}
+    if published is None:
+        out["published"] = "not expressible (uneven pipeline stages)"
+    else:
+        tp, pp, dp = published
+        rank = next((i for i, r in enumerate(rows) if _shape(r.parallel) == (tp, pp, dp, 1)), None)
+        out["published_rank"] = None if rank is None else rank + 1
+        out["published_over_best"] = None if rank is None or not rows else rows[rank].step_time_s / rows[0].step_time_s
+    if measured is not None:
+        e = estimate(load_any(base))
+        est = e.memory.total / GiB
+        out["memory_estimated_gib"] = est
+        out["memory_measured_gib"] = measured
+        out["memory_error"] = (est - measured) / measured
+    return out
+
+
+def _fmt(x: Any, spec: str = ".2f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", action="store_true", help="print only the final JSON line")
+    a = ap.parse_args(argv)
+    rows = [run_one(*s) for s in SETUPS]
+    if not a.json:
+        print(f"{'setup':22s}{'gpus used':>12s}  {'final':34s}{'step s':>9s}{'/clean':>8s}{'pub rank':>9s}"
+              f"{'pub/#1':>8s}{'mem est/meas GiB':>18s}{'plan s':>8s}  anti-patterns")
+        for r in rows:
+            f = r["final"]
+            lay = (f"dp{f['dp']} z{f['zero']} tp{f['tp']} pp{f['pp']} cp{f['cp']} "
+                   f"{f['pp_schedule'] if f['pp'] and f['pp'] > 1 else ''} {f['recompute']}")
+            mem = (f"{r['memory_estimated_gib']:.1f}/{r['memory_measured_gib']:.1f}" if "memory_error" in r else "-")
+            rank = r.get("published_rank", "n/e" if "published" in r else None)
+            print(f"{r['setup']:22s}{r['gpus_used']:>6d}/{r['gpus']:<5d}  {lay:34s}{_fmt(r['final_step_s'], '.3g'):>9s}"
+                  f"{_fmt(r['final_over_clean']):>8s}{str(rank if rank is not None else 'absent'):>9s}"
+                  f"{_fmt(r.get('published_over_best')):>8s}{mem:>18s}{r['plan_seconds']:>8.2f}  "
+                  f"{', '.join(r['final_anti_patterns']) or '-'}"
+                  + (f"  idle: {r['idle_reason']}" if r.get("idle_reason") else ""))
+    ratios = [r["final_over_clean"] for r in rows if r["final_over_clean"] is not None]
+    pubs = [r["published_over_best"] for r in rows if r.get("published_over_best") is not None]
+    mems = [abs(r["memory_error"]) for r in rows if "memory_error" in r]
+    worst = {
+        "benchmark": "published_layouts",
+        "min_gpus_used_fraction": round(min(r["gpus_used"] / r["gpus"] for r in rows), 4),
+        "setups_with_idle_gpus_and_no_reason": sum(r["gpus_used"] < r["gpus"] and not r["idle_reason"] for r in rows),
+        "max_final_over_best_clean": round(max(ratios), 4) if ratios else None,
+        "max_published_over_best": round(max(pubs), 4) if pubs else None,
+        "published_absent": [r["setup"] for r in rows if r.get("published_rank", 0) is None],
+        "not_expressible": [r["setup"] for r in rows if "published" in r],
+        "max_memory_error": round(max(mems), 4) if mems else None,
+        "final_anti_patterns": sum(len(r["final_anti_patterns"]) for r in rows),
+        "max_plan_seconds": round(max(r["plan_seconds"] for r in rows), 3),
+        "setups": len(rows),
+    }
+    print(json.dumps(worst))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

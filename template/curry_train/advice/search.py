@@ -1,0 +1,248 @@
+"""The planner's search: every layout of a cluster that may launch, its estimate, its anti-patterns, and the
+layout a careful engineer would run (`choose`).
+
+    python -c "from curry_train.advice.planner import plan; print(plan('llama3-70b', 8, 32, 80.0, 8192, 1024).final)"
+
+Search space (issue 15): tp x cp x pp x dp over the cluster with
+  tp   every divisor of gpus_per_node that divides the heads, kv heads, d_ff and vocabulary (rules.tp_sizes);
+  cp   every cp with seq_len % (2*cp) == 0 (rules.cp_sizes); below 32k tokens only when no layout without CP
+       fits (the seed's "CP only with proven need");
+  pp   divisors of the layers whose stages are whole nodes (rules.pp_sizes), with 1F1B, interleaved 1F1B and
+       zero-bubble at 2 (and 4) virtual stages; GPipe is left out: it has 1F1B's bubble and holds every
+       micro-batch's activations (Narayanan et al. 2021), so it never wins;
+  dp   the rest of the cluster, lowered to the largest size the global batch feeds (GPUs then idle);
+  ep   (MoE) divisors of the experts that divide dp;
+  zero 0-3 (one row at dp*cp == 1: the stages are the same layout there, so duplicates collapse);
+  recompute the lightest mode that fits (a heavier one only adds FLOPs); micro-batch the powers of two (and the
+       given one) that divide the per-rank batch, from 1 up to the largest that fits (memory grows with it, so
+       the loop stops there).
+Adding an axis (HSDP's parallel.dp_replicate, uneven stages' parallel.pp_layers) is one more loop in `_shapes`
+and one more key in the row's `parallel`: the rest (fit, anti-patterns, choice) reads rows only.
+
+`choose` (issue 15): among the fitting rows without an anti-pattern, those within WITHIN (10%) of the fastest;
+of these the one with the fewest and lightest primitives in the ladder's order (CP, EP, PP, TP heaviest first,
+then recompute, then the ZeRO stage), preferring rows that use every GPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from curry_train.config import Config, ParallelConfig
+from curry_train.estimator import GiB, _layout, _replace, _states, reserve_bytes, stage_ids
+from curry_train.estimator.comm import _step_time
+from curry_train.estimator.peak import _peak
+from curry_train.estimator.profiles import HardwareProfile
+from curry_train.rules import (
+    LONG_CONTEXT,
+    WITHIN,
+    RuleContext,
+    anti_patterns,
+    check,
+    cp_sizes,
+    divisors,
+    pp_sizes,
+    tp_sizes,
+)
+
+RC = ("none", "selective", "full")
+MAX_MICRO_BATCH = 64  # beyond this the GEMMs are long saturated; bounds the loop on small models
+
+
+@dataclass
+class Row:
+    """One layout that fits: its parallel section, micro-batch and estimate."""
+
+    parallel: dict[str, Any]
+    micro_batch: int
+    total: int
+    step_s: float
+    mfu: float
+    comm_fraction: float
+    gpus_used: int
+    anti: list[str] = field(default_factory=list)
+    anti_text: list[str] = field(default_factory=list)
+
+    @property
+    def weight(self) -> tuple:
+        """Fewest and lightest primitives, heaviest first (the ladder read from the top), then the sizes."""
+        p = self.parallel
+        return (p["cp"] > 1, p["ep"] > 1, p["pp"] > 1, p["tp"] > 1, RC.index(p["recompute"]), p["zero"],
+                p["cp"], p["ep"], p["pp"], p["pp_virtual"], p["tp"])
+
+
+@dataclass
+class Search:
+    rows: list[Row]  # fitting rows
+    valid: int
+    cp_fallback: bool  # CP below 32k was searched because nothing without CP fits
+
+
+def _dp_for(gb: int, dp_max: int) -> int:
+    """The largest dp <= dp_max that splits the global batch (micro-batch 1): the rest of the GPUs idle."""
+    return max(d for d in range(1, dp_max + 1) if gb % d == 0) if dp_max >= 1 else 0
+
+
+def _shapes(cfg: Config, with_cp: bool) -> list[tuple[int, int, int, int, int]]:
+    """(tp, cp, pp, dp, gpus) over the cluster; cp > 1 only when `with_cp`."""
+    m, t, h = cfg.model, cfg.train, cfg.hardware
+    world = h.gpus_per_node * h.nodes
+    out = []
+    for tp in tp_sizes(m, h.gpus_per_node):
+        for cp in (cp_sizes(t.seq_len, world) if with_cp else [1]):
+            for pp in pp_sizes(m.n_layers, world, h.nodes):
+                if world % (tp * cp * pp):
+                    continue
+                dp = _dp_for(t.global_batch, world // (tp * cp * pp))
+                if dp:
+                    out.append((tp, cp, pp, dp, dp * tp * cp * pp))
+    return out
+
+
+def _schedules(n_layers: int, pp: int) -> list[tuple[str, int]]:
+    if pp == 1:
+        return [("1f1b", 1)]
+    out = [("1f1b", 1)]
+    for v in (2, 4):
+        if n_layers % (v * pp) == 0:
+            out.append(("interleaved_1f1b", v))
+    if n_layers % (2 * pp) == 0:
+        out.append(("zero_bubble", 2))
+    return out
+
+
+def _peak_total(x: Any) -> int:
+    """The worst rank's peak, as estimator.quick_layout takes it (first, last and, for the V, middle rank)."""
+    ranks = [0, x.pp - 1] if x.pp > 1 else [0]
+    if x.pp > 1 and x.schedule == "zero_bubble" and x.v == 2:
+        ranks.append(x.pp // 2)
+    return max(_peak(x, r).total for r in ranks)
+
+
+def search(cfg: Config, hw: HardwareProfile, *, margin: float = 0.0, first_fit: bool = False) -> Search:
+    """Every valid layout of cfg's cluster that fits (the lightest recompute per micro-batch); `first_fit` stops at
+    the first fitting row (for min_nodes_to_fit)."""
+    short = cfg.train.seq_len < LONG_CONTEXT
+    rows, valid = _search(cfg, hw, margin, with_cp=not short, first_fit=first_fit)
+    fallback = False
+    if short and not rows:  # CP below 32k only when nothing else fits
+        rows, more = _search(cfg, hw, margin, with_cp=True, first_fit=first_fit)
+        valid += more
+        fallback = True
+    return Search(rows=rows, valid=valid, cp_fallback=fallback)
+
+
+def _search(cfg: Config, hw: HardwareProfile, margin: float, *, with_cp: bool,
+            first_fit: bool) -> tuple[list[Row], int]:
+    x0 = _layout(cfg)
+    m, t = cfg.model, cfg.train
+    usable = int(cfg.hardware.gpu_memory_gib * GiB) - reserve_bytes(cfg)
+    probe_cfg = cfg.model_copy()  # its parallel and train sections are swapped per candidate, unvalidated
+    rows: list[Row] = []
+    valid = 0
+    for tp, cp, pp, dp, used in _shapes(cfg, with_cp):
+        per_rank = t.global_batch // dp
+        mbs = [b for b in divisors(per_rank) if b <= MAX_MICRO_BATCH and (b & (b - 1) == 0 or b == t.micro_batch)
+               and (pp == 1 or per_rank // b >= pp)]
+        eps = [e for e in divisors(m.num_experts) if dp % e == 0] if m.num_experts else [1]
+        zeros = (0,) if dp * cp == 1 else (0, 1, 2, 3)
+        for sched, v in _schedules(m.n_layers, pp):
+            for ep in eps:
+                for zero in zeros:
+                    sp = tp > 1 and cp == 1  # SP with TP, except under CP (both shard the sequence)
+                    par = {"dp": dp, "zero": zero, "recompute": "none", "tp": tp, "sp": sp, "pp": pp,
+                           "pp_schedule": sched, "pp_virtual": v, "ep": ep, "cp": cp}
+                    object.__setattr__(probe_cfg, "parallel", ParallelConfig.model_construct(**par))
+                    object.__setattr__(probe_cfg, "train", t.model_copy(update={"micro_batch": mbs[0] if mbs else 1}))
+                    if not mbs or check(probe_cfg):
+                        continue
+                    valid += len(mbs)  # one layout per micro-batch
+                    x = _replace(x0, dp=dp, zero=zero, recompute="none", tp=tp, sp=sp, pp=pp, schedule=sched, v=v,
+                                 ep=ep, cp=cp, b=mbs[0])
+                    st = _states(x, stage_ids(x, 0))
+                    if st.params + st.opt > usable:  # model states alone overflow: no recompute helps
+                        continue
+                    start, prev = 0, float("inf")
+                    for b in mbs:
+                        if v > 1 and (per_rank // b) % pp:
+                            continue
+                        fit = None
+                        # memory first (the step time, a pipeline simulation, only for a fit); the lightest mode
+                        # that fits never gets lighter as the micro-batch grows, so the search starts at the last
+                        for rc in RC[start:]:
+                            xr = _replace(x, recompute=rc, b=b)
+                            total = _peak_total(xr)
+                            if total <= usable * (1 - margin):
+                                fit = (rc, xr, total)
+                                break
+                        if fit is None:
+                            break  # a larger micro-batch only holds more activations
+                        rc, xr, total = fit
+                        st, _items = _step_time(xr, hw)
+                        if st.total_s >= prev:  # slower and no lighter than the smaller micro-batch: dominated
+                            break
+                        start, prev = RC.index(rc), st.total_s
+                        rows.append(Row(parallel={**par, "recompute": rc}, micro_batch=b, total=total,
+                                        step_s=st.total_s, mfu=st.mfu, comm_fraction=st.comm_fraction,
+                                        gpus_used=used))
+                        if first_fit:
+                            return rows, valid
+    return rows, valid
+
+
+def label(cfg: Config, rows: list[Row], cp_fallback: bool) -> None:
+    """Each row's anti-patterns (rules.anti_patterns with the ranking's numbers: the fastest FSDP-alone layout and
+    whether any layout without CP fits)."""
+    fsdp = [r.step_s for r in rows if r.parallel["tp"] == r.parallel["pp"] == r.parallel["cp"] == r.parallel["ep"] == 1]
+    fsdp_best = min(fsdp) if fsdp else None
+    non_cp = not cp_fallback and any(r.parallel["cp"] == 1 for r in rows)
+    probe_cfg = cfg.model_copy()
+    for r in rows:
+        object.__setattr__(probe_cfg, "parallel", ParallelConfig.model_construct(**r.parallel))
+        ctx = RuleContext(step_s=r.step_s, fsdp_step_s=fsdp_best, non_cp_fits=non_cp)
+        found = anti_patterns(probe_cfg, context=ctx)
+        r.anti = [a.id for a in found]
+        r.anti_text = [a.message for a in found]
+
+
+def choose(rows: list[Row], world: int) -> tuple[Row | None, float | None]:
+    """(the final row, the fastest clean step time): the lightest clean row within WITHIN of the fastest clean
+    one, preferring rows that use every GPU; without a clean row, the fitting row with the fewest anti-patterns."""
+    clean = [r for r in rows if not r.anti]
+    if not clean:
+        if not rows:
+            return None, None
+        fewest = min(len(r.anti) for r in rows)
+        clean = [r for r in rows if len(r.anti) == fewest]
+    best = min(r.step_s for r in clean)
+    pool = [r for r in clean if r.step_s <= best * (1 + WITHIN)]
+    return min(pool, key=lambda r: (-r.gpus_used, r.weight, r.step_s)), best
+
+
+def any_fits(cfg: Config, hw: HardwareProfile, margin: float = 0.0) -> bool:
+    return bool(search(cfg, hw, margin=margin, first_fit=True).rows)
+
+
+def with_nodes(cfg: Config, nodes: int) -> Config:
+    return cfg.model_copy(update={"hardware": cfg.hardware.model_copy(update={"nodes": nodes})})
+
+
+def min_nodes_to_fit(cfg: Config, hw: HardwareProfile, margin: float = 0.0, limit_gpus: int = 131072) -> int | None:
+    """The smallest node count of the same node type on which some layout fits (doubling, then bisection: more
+    nodes shard more); None when even `limit_gpus` GPUs do not hold it."""
+    if int(cfg.hardware.gpu_memory_gib * GiB) - reserve_bytes(cfg) <= 0:
+        return None  # the reserve alone exceeds the budget: no node count helps
+    lo, hi = cfg.hardware.nodes, cfg.hardware.nodes * 2
+    cap = max(1, limit_gpus // cfg.hardware.gpus_per_node)
+    while not any_fits(with_nodes(cfg, hi), hw, margin):
+        if hi >= cap:
+            return None
+        lo, hi = hi, min(hi * 2, cap)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if any_fits(with_nodes(cfg, mid), hw, margin):
+            hi = mid
+        else:
+            lo = mid
+    return hi

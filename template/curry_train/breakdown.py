@@ -1,0 +1,71 @@
+"""The one per-rank memory model that the estimate and the measurement share, and the JSON value type of diffs.
+
+    from curry_train.breakdown import CATEGORIES, Breakdown
+
+Both sides split one rank's bytes at its peak into the same categories with the same meaning, so a difference
+between an estimate bar and a measured bar is a real disagreement, never a filing difference:
+
+  params        persistent parameters the optimizer updates (full, TP-local, or this rank's FSDP shard)
+  param_copies  working copies of parameters: FSDP's all-gathered units, autocast's bf16 weight casts
+  grads         the `.grad` tensors the optimizer reads (full, or the FSDP shard)
+  grad_buffers  other gradient storage: DDP's flat all-reduce buckets, FSDP's unsharded gradients / accumulators
+  optimizer     AdamW state this rank owns (exp_avg, exp_avg_sq, step)
+  activations   forward-created tensors alive at the peak (what backward reads), recomputed ones too
+  loss          the loss gradients, fp32 [tokens, vocab] (log_softmax's and nll's backward; log_softmax's saved
+                output is an activation)
+  pp_buffers    torch.distributed.pipelining's per-micro-batch receive buffers (activations and gradients)
+  other         everything else: activation gradients and backward temporaries, communication staging,
+                optimizer-step temporaries, module buffers (RoPE tables)
+
+Producers: curry_train.estimator (`Estimate.memory`) and curry_train.measure.memory (`MemoryReport.at_peak`);
+consumers: bench's `memory_breakdown`, the plots (curry_train.plots) and runs_diff (curry_train.store.runs).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, Field
+
+CATEGORIES = ("params", "param_copies", "grads", "grad_buffers", "optimizer", "activations", "loss", "pp_buffers",
+              "other")
+
+DESCRIPTIONS = {
+    "params": "Persistent parameters the optimizer updates (full, TP-local or the FSDP shard).",
+    "param_copies": "Working copies of parameters: FSDP all-gathered units, autocast bf16 weight casts.",
+    "grads": "The .grad tensors the optimizer reads (full, or the FSDP shard).",
+    "grad_buffers": "DDP all-reduce buckets and FSDP unsharded gradients / accumulators.",
+    "optimizer": "AdamW state this rank owns.",
+    "activations": "Forward-created tensors alive at the peak (what backward reads), recomputed ones too.",
+    "loss": "The loss gradients, fp32 [tokens, vocab] (log_softmax / nll backward).",
+    "pp_buffers": "Pipeline receive buffers (one activation / gradient buffer per micro-batch and stage).",
+    "other": "Everything else: activation gradients, backward temporaries, comm staging, module buffers.",
+}
+
+# A JSON value without nesting, typed so strict schema checkers (the MCP Inspector's portability check) see a
+# type on every field: config values and metrics compared by update_config and runs_diff are scalars or lists.
+Scalar = str | int | float | bool | None
+JsonValue = Scalar | list[Scalar]
+
+
+class Breakdown(BaseModel):
+    """Bytes on one rank at the moment of its peak, by category (see the module docstring); they sum to `total`."""
+
+    params: int = Field(0, description=DESCRIPTIONS["params"])
+    param_copies: int = Field(0, description=DESCRIPTIONS["param_copies"])
+    grads: int = Field(0, description=DESCRIPTIONS["grads"])
+    grad_buffers: int = Field(0, description=DESCRIPTIONS["grad_buffers"])
+    optimizer: int = Field(0, description=DESCRIPTIONS["optimizer"])
+    activations: int = Field(0, description=DESCRIPTIONS["activations"])
+    loss: int = Field(0, description=DESCRIPTIONS["loss"])
+    pp_buffers: int = Field(0, description=DESCRIPTIONS["pp_buffers"])
+    other: int = Field(0, description=DESCRIPTIONS["other"])
+
+    def by_category(self) -> dict[str, int]:
+        return {c: int(getattr(self, c)) for c in CATEGORIES}
+
+
+def split(values: dict[str, Any]) -> dict[str, int]:
+    """A mapping holding (some of) the categories -> every category in order, missing ones 0 (other keys such as
+    `total` or `peak` are ignored)."""
+    return {c: int(values.get(c) or 0) for c in CATEGORIES}

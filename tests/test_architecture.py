@@ -1,0 +1,169 @@
+"""The package layout as a rule: no import cycle anywhere, and imports point one way between the layers.
+
+    .venv/bin/pytest tests/test_architecture.py -q
+
+The graph is built from the source with `ast` (nothing is imported), counting every import, including the ones
+inside functions: a lazy import still ties two modules together. docs/ARCHITECTURE.md draws the same layers.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+ROOTS = {"curry_train": REPO / "template" / "curry_train", "curry_train_mcp": REPO / "mcp_server",
+         "evals": REPO / "evals", "benchmarks": REPO / "benchmarks"}
+
+# Lowest first. A module may import its own layer and the layers below it, never one above.
+LAYERS: list[tuple[str, tuple[str, ...]]] = [
+    ("contract", ("curry_train", "curry_train.config", "curry_train.rules", "curry_train.paths", "curry_train.mesh")),
+    ("template", ("curry_train.model", "curry_train.parallel", "curry_train.train", "curry_train.validation")),
+    ("estimator", ("curry_train.estimator",)),
+    ("advice", ("curry_train.advice",)),
+    ("tools", ("curry_train.measure", "curry_train.store", "curry_train.plots")),
+    ("interface", ("curry_train.cli", "curry_train_mcp", "evals", "benchmarks")),
+]
+
+
+def _modules() -> dict[str, Path]:
+    mods: dict[str, Path] = {}
+    for top, root in ROOTS.items():
+        for f in root.rglob("*.py"):
+            parts = [top, *f.relative_to(root).with_suffix("").parts]
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            mods[".".join(parts)] = f
+    return mods
+
+
+MODULES = _modules()
+
+
+def _resolve(name: str) -> str | None:
+    """The longest known module that `name` is or lies inside (a.b.c -> a.b when c is a function)."""
+    parts = name.split(".")
+    while parts:
+        cand = ".".join(parts)
+        if cand in MODULES:
+            return cand
+        parts.pop()
+    return None
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _imports(mod: str, path: Path) -> set[str]:
+    is_pkg = path.name == "__init__.py"
+    package = mod if is_pkg else mod.rpartition(".")[0]
+    out: set[str] = set()
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    typing_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and _is_type_checking(node.test)
+                   for stmt in node.body for n in ast.walk(stmt)}  # `if TYPE_CHECKING:` imports never run
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                stem = ".".join(base + ([node.module] if node.module else []))
+            else:
+                stem = node.module or ""
+            targets = [f"{stem}.{a.name}" for a in node.names] or [stem]
+        else:
+            continue
+        for t in targets:
+            r = _resolve(t)
+            if r and r != mod:
+                out.add(r)
+    return out
+
+
+GRAPH = {m: _imports(m, p) for m, p in MODULES.items()}
+
+
+def _layer(mod: str) -> int:
+    best, rank = -1, -1
+    for i, (_, prefixes) in enumerate(LAYERS):
+        for pre in prefixes:
+            if (mod == pre or mod.startswith(pre + ".")) and len(pre) > best:
+                best, rank = len(pre), i
+    return rank
+
+
+def _cycles() -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan), each as a sorted list."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in GRAPH[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                found.append(sorted(comp))
+
+    for v in GRAPH:
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_the_graph_sees_the_known_edges():
+    # A guard against a parser that finds nothing: the test below would then pass vacuously.
+    assert "curry_train.config" in GRAPH["curry_train.estimator"]
+    assert "curry_train.parallel.parallelize" in GRAPH["curry_train.train.loop"]
+    assert any(m.startswith("curry_train_mcp.") for m in MODULES)
+    assert sum(len(v) for v in GRAPH.values()) > 150
+
+
+def test_no_import_cycle_anywhere():
+    assert _cycles() == [], "import cycles (each line one strongly connected set):\n" + "\n".join(
+        " <-> ".join(c) for c in _cycles())
+
+
+def test_every_module_belongs_to_a_layer():
+    assert [m for m in MODULES if _layer(m) < 0] == []
+
+
+def test_imports_point_down_the_layers():
+    bad = [f"{m} ({LAYERS[_layer(m)][0]}) imports {d} ({LAYERS[_layer(d)][0]})"
+           for m, deps in sorted(GRAPH.items()) for d in sorted(deps) if _layer(d) > _layer(m)]
+    assert bad == [], "\n".join(bad)
+
+
+@pytest.mark.parametrize("top", ["template/curry_train", "mcp_server", "evals"])
+def test_no_module_is_over_400_lines(top):
+    long = {str(f.relative_to(REPO)): n for f in (REPO / top).rglob("*.py")
+            if (n := len(f.read_text(encoding="utf-8").splitlines())) > 400}
+    assert long == {}
+
+
+def test_no_test_file_is_over_400_lines():
+    long = {str(f.relative_to(REPO)): n for f in (REPO / "tests").rglob("*.py")
+            if (n := len(f.read_text(encoding="utf-8").splitlines())) > 400}
+    assert long == {}
