@@ -30,7 +30,8 @@ class Api:
     since: tuple[int, int]  # first torch release that has it
     used_by: str
     evidence: str
-    shim: str = ""  # how older torch is served, if it is
+    probe: tuple[str, str, str | None]  # (module, attribute path, keyword it must accept): missing_apis() checks it
+    shim: str = ""  # how an older torch is served, if it is
 
 
 APIS = (
@@ -38,29 +39,57 @@ APIS = (
         "parallel/pipeline.py (pp > 1; SP activations are DTensors)",
         "pytorch#177727/#177728 (DTensor-aware pipelining, RFC #172419), opened 2026-03-18, four weeks before "
         "the 2.12 branch cut (13 Apr 2026); whether it made 2.12 is unverified, so 2.13, where it is present. No "
-        "older spelling: stages could not send DTensors before"),
+        "older spelling: stages could not send DTensors before",
+        ("torch.distributed.pipelining", "PipelineStage.__init__", "get_mesh")),
     Api("dist.all_gather_single / reduce_scatter_single", (2, 13), "parallel/comms.py all_gather_dim0",
         "pytorch#186123 (rename of all_gather_into_tensor / reduce_scatter_tensor, old names kept as "
         "deprecated aliases), opened 2026-06-03, before the 2.13 branch cut (8 Jun 2026); in 2.13.0",
+        ("torch.distributed", "all_gather_single", None),
         shim="comms.py falls back to all_gather_into_tensor (torch >= 1.13)"),
     Api("DeviceMesh._unflatten", (2, 10), "mesh.py ep_meshes (parallel.ep > 1)",
         "pytorch#161224 (CuTe-layout _unflatten), opened 2025-08-21, stacked on #164510 (Oct 2025): after the "
-        "2.9 branch cut (Sep 2025)"),
+        "2.9 branch cut (Sep 2025)", ("torch.distributed.device_mesh", "DeviceMesh._unflatten", None)),
     Api("FSDPModule.set_force_sum_reduction_for_comms", (2, 9), "parallel/expert_parallel.py (EP + zero >= 2)",
         "pytorch#155915, opened 2025-06-13, in the month of the 2.8 branch cut (Jun 2025): 2.9 at the latest; "
-        "InternLM/xtuner#1961 guards it at torch >= 2.10"),
+        "InternLM/xtuner#1961 guards it at torch >= 2.10",
+        ("torch.distributed.fsdp", "FSDPModule.set_force_sum_reduction_for_comms", None)),
     Api("pipelining schedules' scale_grads=", (2, 7), "parallel/pipeline.py build_schedule",
-        "pytorch#144352 (PP grad scaling), opened 2025-01-07, after the 2.6 branch cut (Dec 2024)"),
+        "pytorch#144352 (PP grad scaling), opened 2025-01-07, after the 2.6 branch cut (Dec 2024)",
+        ("torch.distributed.pipelining", "Schedule1F1B.__init__", "scale_grads")),
     Api("fully_shard / MixedPrecisionPolicy in torch.distributed.fsdp", (2, 6), "parallel/fsdp.py",
-        "FSDP2 moved from torch.distributed._composable.fsdp to the public torch.distributed.fsdp in 2.6"),
+        "FSDP2 moved from torch.distributed._composable.fsdp to the public torch.distributed.fsdp in 2.6",
+        ("torch.distributed.fsdp", "MixedPrecisionPolicy", None)),
     Api("ScheduleZBVZeroBubble (V placement)", (2, 6), "parallel/pipeline.py (pp_schedule=zero_bubble, "
-        "pp_virtual=2)", "pytorch#131762 (separate dI/dW and V-schedules), opened 2024-07-25, landed after the 2.5 "
-        "branch cut"),
+        "pp_virtual=2)", "pytorch#142084 (ZBV schedule), reviewed 2024-12-06, the month of the 2.6 branch cut "
+        "(2.7 at the latest)", ("torch.distributed.pipelining", "ScheduleZBVZeroBubble", None)),
+    Api("ScheduleInterleavedZeroBubble", (2, 5), "parallel/pipeline.py (pp_schedule=zero_bubble, "
+        "pp_virtual > 2)", "pytorch#133467 (ZeroBubble schedule), merge requested 2024-08-22, before the 2.5 "
+        "branch cut (Sep 2024)", ("torch.distributed.pipelining", "ScheduleInterleavedZeroBubble", None)),
     Api("DeviceMesh._flatten", (2, 5), "mesh.py dp_cp_mesh", "pytorch#132632, reviewed 2024-08-06, before the "
-        "2.5 branch cut (Sep 2024)"),
+        "2.5 branch cut (Sep 2024)", ("torch.distributed.device_mesh", "DeviceMesh._flatten", None)),
     Api("public torch.distributed.tensor (DTensor, Shard, Replicate)", (2, 5), "parallel/tensor_parallel.py",
-        "torch.distributed._tensor became torch.distributed.tensor in 2.5 (pytorch#133022 and its stack, 2024-08)"),
+        "torch.distributed._tensor became torch.distributed.tensor in 2.5 (pytorch#133022 and its stack, 2024-08)",
+        ("torch.distributed.tensor", "DTensor", None)),
 )
+
+
+def missing_apis() -> list[str]:
+    """The APIS entries the installed torch lacks (imports torch: for tests and scripts/compat.sh, not import)."""
+    import importlib
+    import inspect
+
+    missing = []
+    for a in APIS:
+        module, path, keyword = a.probe
+        try:
+            obj = importlib.import_module(module)
+            for part in path.split("."):
+                obj = getattr(obj, part)
+            if keyword is not None and keyword not in inspect.signature(obj).parameters:
+                raise AttributeError(keyword)
+        except (ImportError, AttributeError):
+            missing.append(a.api)
+    return missing
 
 
 class TorchVersionError(ImportError):
@@ -91,10 +120,13 @@ def torch_problem(version: str | None = None) -> str | None:
     have = parse(version)
     if have is not None and have >= MINIMUM:
         return None
-    newest = [a for a in APIS if have is None or a.since > have and not a.shim]
-    feature = max(newest, key=lambda a: a.since) if newest else APIS[0]
-    return (f"curry_train needs torch>={need} but torch {version} is installed; {feature.api} (used by "
-            f"{feature.used_by}) needs torch>={'.'.join(map(str, feature.since))}: {fix}")
+    newer = [a for a in APIS if not a.shim and (have is None or a.since > have)]
+    if newer:  # name the newest API without an older spelling: that one is what this torch cannot run
+        a = max(newer, key=lambda a: a.since)
+        why = f"{a.api} (used by {a.used_by}) needs torch>={'.'.join(map(str, a.since))}"
+    else:
+        why = f"{need} is the oldest torch the suite and the evals were run on"
+    return f"curry_train needs torch>={need} but torch {version} is installed; {why}: {fix}"
 
 
 def check_torch() -> None:
