@@ -20,15 +20,16 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from curry_train.advice.advisor import Recommendation
-from curry_train.measure.bench import BenchResult
+from curry_train.advice.planner import Plan
+from curry_train.advice.sweep import SweepResult
 from curry_train.config import ConfigError
-from curry_train.store.configs import ConfigUpdate
 from curry_train.estimator import Estimate
+from curry_train.measure.bench import BenchResult
 from curry_train.measure.hardware import HardwareReport
 from curry_train.paths import UnsafeName, check_name, configs_dir, project_root
-from curry_train.advice.planner import Plan
+from curry_train.store.configs import ConfigUpdate
 from curry_train.store.runs import RunsDiff
-from curry_train.advice.sweep import SweepResult
+from curry_train.validation.inject import CATALOGUE as INJECTIONS
 from curry_train.validation.verdict import Verdict as WhiteboxVerdict
 from mcp.server import MCPServer
 from mcp.server.mcpserver import Context
@@ -190,16 +191,30 @@ async def bench(
 async def whitebox_compare(
     config: ConfigName,
     ctx: Context,
-    steps: Annotated[int, Field(ge=1, le=50, description="Optimizer steps to compare.")] = 1,
+    steps: Annotated[int, Field(ge=1, le=50, description="Optimizer steps to compare (2 also exercises the "
+                                                         "optimizer state).")] = 2,
     overrides: Overrides = {},  # noqa: B006
     timeout_s: TimeoutS = 900.0,
+    inject: Annotated[str | None, Field(description="Plant one known bug in the parallel run only, to demonstrate "
+                                                    "that the check catches it (the verdict must fail): "
+                                                    + ", ".join(INJECTIONS) + ". Each needs its layout, e.g. "
+                                                    "data-same-rows needs parallel.dp >= 2.")] = None,
 ) -> WhiteboxVerdict:
     """Prove a parallel layout computes what one device computes: runs the config on its ranks and a single-process
-    reference from the same seed and batch, then compares the loss, every gradient (gathered to full shape) and
-    every parameter after the update. Returns passed/failed, the worst parameter and the first diverging layer.
-    Run it after every primitive you add, before trusting its speed or memory numbers."""
+    reference from the same seed and data, then compares the loss, every gradient (gathered to full shape) and
+    every rank's parameters after each update. Returns passed/failed, the worst parameter, the first diverging
+    layer and any diverging rank. Run it after every primitive you add, before trusting its speed or memory
+    numbers; with `inject` it demonstrates a failure on purpose."""
     _validate(config, overrides)
-    out = await _long("whitebox", {"config": config, "steps": steps, "overrides": overrides}, ctx,
+    if inject is not None:
+        from curry_train.measure.service import resolve
+        from curry_train.validation.inject import InjectionError, check
+
+        try:
+            check(inject, resolve(config, overrides, root())[0])
+        except InjectionError as e:
+            raise tool_error(e) from None
+    out = await _long("whitebox", {"config": config, "steps": steps, "overrides": overrides, "inject": inject}, ctx,
                       deadline_s=timeout_s, label="whitebox_compare")
     return WhiteboxVerdict.model_validate(out)
 
@@ -397,8 +412,8 @@ async def capacity_sweep(
             "max_runs_per_rung": max_runs_per_rung}
     _validate(config, overrides)
     if rungs:
-        from curry_train.measure.service import resolve
         from curry_train.advice.sweep import ladder_rungs
+        from curry_train.measure.service import resolve
 
         known = [label for label, _ in ladder_rungs(resolve(config, overrides, root())[0])]
         if unknown := [r for r in rungs if r not in known]:

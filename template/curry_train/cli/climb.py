@@ -24,6 +24,7 @@ from pydantic import BaseModel, Field
 from curry_train.measure.bench import DeviceLock
 from curry_train.paths import configs_dir, resolve_config_arg
 
+WHITEBOX_STEPS = 2  # two updates: a wrong optimizer step (ZeRO state, weight decay, lr) shows in the second
 CPU_MAX_RANKS = 4  # gloo ranks are processes sharing the cores: beyond 4 a tiny climb only gets slower
 # The README's CPU budget for tiny: between the measured peaks of rung 2 (ZeRO-3 on 4 ranks + full recompute,
 # 2.25 MB) and rung 3 (+ TP 2 with SP, 1.75 MB), so the climb takes three primitives (baseline 6.04 MB).
@@ -111,8 +112,8 @@ def climb(config: str, memory_budget: int, *, overrides: dict[str, Any] | None =
     """Walk the ladder from `config` (a name in configs/ or a YAML file there) until `memory_budget` bytes fit."""
     from curry_train.measure import service
     from curry_train.measure.bench import bench
-    from curry_train.store.configs import update_config
     from curry_train.measure.hardware import probe_hardware
+    from curry_train.store.configs import update_config
 
     say = log or (lambda msg: None)
     if memory_budget <= 0:
@@ -155,7 +156,7 @@ def climb(config: str, memory_budget: int, *, overrides: dict[str, Any] | None =
             parity = "ref"  # the single-device baseline is the reference itself
         else:
             say(f"rung {rung}: white-box {name} against one device")
-            v = locked(lambda: service.whitebox(name, steps=1, root=root, timeout=timeout))
+            v = locked(lambda: service.whitebox(name, steps=WHITEBOX_STEPS, root=root, timeout=timeout))
             parity, wb_run = ("passed" if v.passed else "FAILED"), v.run_id
         fits = not b.oom and b.peak_memory_bytes <= memory_budget
         g = Rung(rung=rung, primitive=primitive, reason=reason, patch=patch, parallel=b.parallel,

@@ -51,19 +51,28 @@ def train(config: str, overrides: dict[str, Any] | None = None, *, root: str | P
     return ledger.finish(rec.run_id, status="ok", metrics=metrics)
 
 
-def whitebox(config: str, overrides: dict[str, Any] | None = None, *, steps: int = 1,
+def whitebox(config: str, overrides: dict[str, Any] | None = None, *, steps: int = 2,
              root: str | Path | None = None, timeout: float = 900.0, cancel: threading.Event | None = None,
-             break_grad_sync: list[str] | None = None):
-    """Parallel run vs single-device reference; returns the Verdict (with run_id), recorded in the ledger."""
-    from curry_train.train.launch import LaunchError
-    from curry_train.validation.whitebox import run_whitebox
+             inject: str | None = None, inject_target: str | None = None):
+    """Parallel run vs single-device reference; returns the Verdict (with run_id), recorded in the ledger.
 
+    `inject` plants one bug of validation/inject.CATALOGUE in the ranks (the verdict must then fail). Bad input
+    (steps < 1, timeout <= 0, an unknown injection or one that cannot apply to the layout) is refused
+    before anything is launched or recorded (validation/inject.WhiteboxInputError, a ValueError)."""
+    from curry_train.train.launch import LaunchError
+    from curry_train.validation.whitebox import check_steps, run_whitebox
+
+    check_steps(steps, timeout)
     cfg, name = resolve(config, overrides, root)
+    if inject:
+        from curry_train.validation.inject import check
+
+        check(inject, cfg)
     ledger = Ledger(root)
     rec = ledger.start("whitebox", cfg, name)
     try:
         verdict = run_whitebox(cfg, steps=steps, run_dir=ledger.path.parent / rec.run_id, timeout=timeout,
-                               cancel=cancel, break_grad_sync=break_grad_sync)
+                               cancel=cancel, inject=inject, inject_target=inject_target)
     except LaunchError as e:
         ledger.finish(rec.run_id, status="cancelled" if "cancelled" in str(e) else "failed", error=str(e)[:4000])
         raise
