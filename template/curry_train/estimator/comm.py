@@ -10,10 +10,16 @@ import math
 from pydantic import BaseModel, Field
 
 from curry_train.estimator.acts import _acts, _moe_slots
-from curry_train.estimator.layout import _block_tensors, _Layout, flops_per_token, hardware_flops_per_token
-from curry_train.estimator.pipeline import bubble_fraction, stage_ids
-from curry_train.estimator.states import _states
+from curry_train.estimator.layout import (
+    _block_tensors,
+    _Layout,
+    flops_per_token,
+    hardware_flops_per_token,
+    rank_layers,
+)
+from curry_train.estimator.pipeline import bubble_fraction, pipeline_imbalance, stage_ids
 from curry_train.estimator.profiles import HardwareProfile
+from curry_train.estimator.states import _states
 
 FIRST_BUCKET_BYTES = 1 * 2**20  # DDP's first bucket; later ones are 25 MiB
 BUCKET_BYTES = 25 * 2**20
@@ -84,7 +90,7 @@ def _comm(x: _Layout, hw: HardwareProfile, t_compute: float) -> list[CommItem]:
                               exposed_s=max(0.0, tm * exposed_share - overlap_s)))
 
     dp_link = _span_link(x, x.dpcp, x.tp)
-    layers = x.L // x.pp
+    layers = max(rank_layers(x, stage_ids(x, r)) for r in range(x.pp))  # the busiest pipeline rank
     if x.ddp:
         nbytes = st.ddp_buckets
         calls = max(1, math.ceil(max(nbytes - FIRST_BUCKET_BYTES, 0) / BUCKET_BYTES) + 1)
@@ -156,6 +162,7 @@ def _step_time(x: _Layout, hw: HardwareProfile) -> tuple[StepTime, list[CommItem
         if x.recompute == "full":
             attn *= 4.0 / 3.0
         t_compute += attn / (hw.peak_flops("float32") * hw.efficiency) - attn / (peak * hw.efficiency)
+    t_compute *= pipeline_imbalance(x)  # the busiest pipeline rank sets the pace (pipeline_split)
     bubble = t_compute * bubble_fraction(x)
     items = _comm(x, hw, t_compute)
     exposed = sum(i.exposed_s for i in items)

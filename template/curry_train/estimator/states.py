@@ -8,7 +8,7 @@ import heapq
 from dataclasses import dataclass
 from functools import lru_cache
 
-from curry_train.estimator.layout import _block_tensors, _Layout, _root_tensors, _Tensor
+from curry_train.estimator.layout import _block_tensors, _Layout, _root_tensors, _Tensor, rank_layers
 
 
 @lru_cache(maxsize=4096)
@@ -50,7 +50,7 @@ def _states(x: _Layout, stages: list[int]) -> _States:
 def _states_cached(x: _Layout, stages: tuple[int, ...]) -> _States:
     """Parameters, gradients and AdamW state of one pipeline rank (blocks are identical: sums per block)."""
     n_stages = x.pp * x.v
-    n_blocks = (x.L // n_stages) * len(stages)
+    n_blocks = rank_layers(x, stages)  # pipeline_split: stages may hold different layer counts
     blk = _block_tensors(x)
     root = _root_tensors(x, 0 in stages, n_stages - 1 in stages)
     blk_local = sum(d0 * r for d0, r, _, _ in blk)

@@ -52,6 +52,49 @@ def capacity_keep(experts: torch.Tensor, num_experts: int, cap: int | None) -> t
     return (position < cap).view(experts.shape[1], experts.shape[0]).t()  # [N, K]
 
 
+def capacity_keep_cp(experts: torch.Tensor, batch: int, m: ModelConfig, group: Any) -> torch.Tensor:
+    """capacity_keep over whole sequences when context parallel splits them (issue 17).
+
+    experts [N, K] of this cp rank's tokens, rows (b, local t), N = batch * T/cp. The expert ids of every cp
+    rank are all-gathered (N*K integers, not differentiable), put back at their global positions
+    (data.cp_positions), and the priority order is that of the full [batch, T] micro-batch the single-device
+    reference routes; this rank keeps its own slots of the result -> [N, K].
+    """
+    from curry_train.model.data import cp_positions
+
+    cp, rank, K = comms.group_size(group), comms.group_rank(group), experts.shape[1]
+    Tl = experts.shape[0] // batch
+    T = Tl * cp
+    local = experts.view(batch, Tl, K).transpose(0, 1).contiguous()  # [Tl, batch, K]
+    gathered = comms.all_gather_dim0(local, group)  # [cp * Tl, batch, K], rank j's rows at j*Tl
+    pos = torch.cat([cp_positions(T, cp, j) for j in range(cp)]).to(experts.device)  # [T]
+    full = torch.empty_like(gathered).index_copy_(0, pos, gathered)  # [T, batch, K] in sequence order
+    keep = capacity_keep(full.transpose(0, 1).reshape(batch * T, K), m.num_experts, capacity(batch * T, m))
+    mine = cp_positions(T, cp, rank).to(experts.device)
+    return keep.view(batch, T, K)[:, mine].reshape(-1, K)  # [N, K]
+
+
+class AuxLossBackward(torch.autograd.Function):
+    """Identity on the activation whose backward also starts the backward of a side loss (Megatron-LM
+    `MoEAuxLossAutoScaler`, megatron/core/transformer/moe/moe_utils.py).
+
+    A pipeline schedule backpropagates only from the last stage's loss; an earlier stage's router losses are not
+    part of it. Attached to the MoE output, this gives `aux` the gradient `scale` when the backward reaches the
+    MoE layer, so every stage's router losses reach the weights without going through the schedule's loss.
+    """
+
+    @staticmethod
+    def forward(ctx, y: torch.Tensor, aux: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.save_for_backward(aux)
+        ctx.scale = scale
+        return y
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (aux,) = ctx.saved_tensors
+        return grad, torch.full_like(aux, ctx.scale), None
+
+
 class TopKRouter(nn.Module):
     """Softmax over E logits, top-k, gates renormalised to sum to 1 (Mixtral, Jiang et al. 2024, §2.1).
 
@@ -65,7 +108,7 @@ class TopKRouter(nn.Module):
         self.gate = nn.Linear(m.d_model, m.num_experts, bias=False)  # weight [E, D]
         self.stats_group: Any = None  # set by apply_cp: ranks holding other tokens of the same sequences
 
-    def forward(self, x: torch.Tensor) -> Routing:  # x [N, D]
+    def forward(self, x: torch.Tensor, batch: int = 1) -> Routing:  # x [N, D], N = batch * local T
         m = self.m
         dtype = torch.promote_types(x.dtype, torch.float32)  # at least fp32
         with torch.autocast(x.device.type, enabled=False):
@@ -73,7 +116,10 @@ class TopKRouter(nn.Module):
         probs = logits.softmax(-1)  # [N, E]
         top_p, top_e = probs.topk(m.top_k, dim=-1)  # [N, K]
         weights = top_p / top_p.sum(-1, keepdim=True)
-        keep = capacity_keep(top_e, m.num_experts, capacity(x.shape[0], m))
+        if m.capacity_factor > 0 and comms.group_size(self.stats_group) > 1:  # CP: capacity per whole sequence
+            keep = capacity_keep_cp(top_e, batch, m, self.stats_group)
+        else:
+            keep = capacity_keep(top_e, m.num_experts, capacity(x.shape[0], m))
         aux = None
         if m.aux_loss_coef > 0:
             # Switch load balance (Fedus et al. 2021, eq. 4-6, top-k form as in GShard): E * sum_e f_e * P_e,
@@ -119,6 +165,8 @@ class MoE(nn.Module):
         self.router = TopKRouter(m)
         self.experts = Experts(m.num_experts, m.d_model, m.d_ff)
         self.ep_group: Any = None  # set by apply_ep; None = all experts local
+        # set by apply_pp: the router losses get their gradient in backward (AuxLossBackward), not via the loss
+        self.aux_grad_scale: float | None = None
         self.aux_loss: torch.Tensor | None = None
         self.tokens_per_expert: torch.Tensor | None = None
         self.tokens_received: torch.Tensor | None = None
@@ -128,7 +176,7 @@ class MoE(nn.Module):
         B, T, D = x.shape
         K, E = self.m.top_k, self.m.num_experts
         xf = x.reshape(-1, D)  # [N, D]
-        r = self.router(xf)
+        r = self.router(xf, batch=B)
         self.aux_loss = r.aux_loss
 
         # Dispatch order: kept slots sorted by expert id (stable, so token order within an expert), which is
@@ -142,6 +190,8 @@ class MoE(nn.Module):
         # Combine: dropped slots contribute 0 (the residual carries the token, Fedus et al. 2021 §2.2).
         y_slots = y_sent.new_zeros(flat_e.numel(), D).index_copy(0, order, y_sent)  # [S, D]
         y = (y_slots.view(-1, K, D) * r.weights.to(y_slots.dtype).unsqueeze(-1)).sum(1)  # [N, D]
+        if self.aux_grad_scale is not None and r.aux_loss is not None and torch.is_grad_enabled():
+            y = AuxLossBackward.apply(y, r.aux_loss, self.aux_grad_scale)
         return y.view(B, T, D)
 
     def _run_experts(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:

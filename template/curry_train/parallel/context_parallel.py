@@ -178,8 +178,9 @@ def apply_cp(model: nn.Module, mesh: Any, cfg: Config) -> None:
     The data side is already sharded by data.micro_batches (each cp rank gets its cp_positions of every
     sequence, and the model gets those global positions for RoPE); the loss is a mean over local tokens and
     dp_cp averaging makes it the global mean, since every rank holds the same number of tokens.
-    MoE: the routers' load-balance counts are summed over the cp group. Capacity (capacity_factor > 0) stays
-    per rank, i.e. per T/cp tokens, which the full-sequence reference does not reproduce.
+    MoE: the routers' load-balance counts are summed over the cp group, and capacity (capacity_factor > 0) is
+    decided over the whole sequences (moe.capacity_keep_cp gathers the cp ranks' expert ids), as the
+    full-sequence reference decides it.
     """
     cp_mesh = mesh["cp"]
     group, cp, rank = cp_mesh.get_group(), cp_mesh.size(), cp_mesh.get_local_rank()

@@ -103,13 +103,17 @@ def sync_expert_grads(ddp: nn.Module, mesh: Any, cfg: Config) -> None:
 
     def hook(_: torch.Tensor) -> None:
         # First expert grad of a syncing backward: reduce all of them once autograd finishes (DDP queues its
-        # own bucket finalisation the same way).
-        if ddp.require_backward_grad_sync and not state["queued"]:
+        # own bucket finalisation the same way). Under a pipeline schedule the flag stays False (the schedule
+        # arms DDP's reducer directly, torch pipelining stage.backward_maybe_with_nosync), so the pipeline
+        # calls `_curry_reduce_experts` itself after the step (pipeline.finish_expert_grads).
+        if ddp.require_backward_grad_sync and not getattr(ddp, "_curry_manual_expert_sync", False) \
+                and not state["queued"]:
             state["queued"] = True
             torch.autograd.Variable._execution_engine.queue_callback(reduce_all)
 
     for p in params:
         p.register_post_accumulate_grad_hook(hook)
+    ddp._curry_reduce_experts = reduce_all
 
 
 # --------------------------------------------------------------------------- FSDP2 (zero 2 / 3)
