@@ -155,13 +155,9 @@ def _step_time(x: _Layout, hw: HardwareProfile) -> tuple[StepTime, list[CommItem
     f_rank = tokens_step * hardware_flops_per_token(x) / (x.dp * x.cp * x.tp * x.pp)
     peak = hw.peak_flops(x.dtype)
     t_compute = f_rank / (peak * hw.efficiency)
-    if x.cp > 1:
-        # context_parallel.py's ring attention multiplies unfused fp32 score tiles (no flash kernel): its
-        # attention FLOPs (causal half, plus the masked diagonal tiles) run at the fp32 peak, not the bf16 one
-        attn = tokens_step * 6.0 * x.L * x.H * x.Dh * x.s * (1 + 1 / (2 * x.cp)) / (x.dp * x.cp * x.tp * x.pp)
-        if x.recompute == "full":
-            attn *= 4.0 / 3.0
-        t_compute += attn / (hw.peak_flops("float32") * hw.efficiency) - attn / (peak * hw.efficiency)
+    # CP: context_parallel.py runs every ring block through the fused attention kernel (flash on CPU,
+    # memory-efficient on CUDA) in the compute dtype, causal blocks at causal cost: no fp32 or masked-tile
+    # surcharge, the attention FLOPs are those of hardware_flops_per_token.
     t_compute *= pipeline_imbalance(x)  # the busiest pipeline rank sets the pace (pipeline_split)
     bubble = t_compute * bubble_fraction(x)
     items = _comm(x, hw, t_compute)
