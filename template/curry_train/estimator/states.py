@@ -64,7 +64,12 @@ def _states_cached(x: _Layout, stages: tuple[int, ...]) -> _States:
         return edp if (tn[3] == "expert" and x.ep > 1) else x.dpcp
 
     def shard(tn: _Tensor) -> int:  # FSDP2: dim 0 split in ceil(d0 / d) rows, rank 0 holds the most
-        return -(-tn[0] // group(tn)) * tn[1]
+        g = group(tn)
+        if tn[3] == "expert" and x.ep > 1 and tn[0] % g:
+            # expert_parallel.expert_shard_placement: El experts that do not split over edp are sharded on a
+            # hidden dim ([El, D, F] -> D / g rows of each; the _Tensor folds D*F into `rest`)
+            return tn[0] * -(-tn[1] // g)
+        return -(-tn[0] // g) * tn[1]
 
     step_bytes = 4 if x.device == "cpu" else 0
     if x.fsdp:
