@@ -17,6 +17,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from curry_train.pipeline_split import check_pp_layers
+
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
@@ -25,7 +27,7 @@ class _Section(BaseModel):
 class ModelConfig(_Section):
     vocab_size: int = Field(256, ge=2, description="Vocabulary size (divisible by parallel.tp).")
     d_model: int = Field(64, ge=1, description="Hidden size h.")
-    n_layers: int = Field(4, ge=1, description="Transformer blocks L (divisible by parallel.pp * pp_virtual).")
+    n_layers: int = Field(4, ge=1, description="Transformer blocks L (at least parallel.pp * pp_virtual).")
     n_heads: int = Field(8, ge=1, description="Query heads a (divisible by parallel.tp; d_model % n_heads == 0).")
     n_kv_heads: int = Field(4, ge=1, description="Key/value heads g for GQA (divides n_heads; divisible by tp).")
     d_ff: int = Field(128, ge=1, description="SwiGLU hidden size f (per expert when num_experts > 0).")
@@ -66,6 +68,9 @@ class ParallelConfig(_Section):
         "1f1b", description="Pipeline schedule; interleaved_1f1b and zero_bubble need pp_virtual >= 2."
     )
     pp_virtual: int = Field(1, ge=1, description="Model chunks (virtual stages) per pipeline rank.")
+    pp_layers: list[int] | None = Field(
+        None, description="Layers per pipeline stage, in stage order (pp*pp_virtual entries summing to n_layers); "
+        "None = split by estimated cost (pipeline_split.py).")
     ep: int = Field(1, ge=1, description="Expert-parallel ranks, carved from the dp ranks (MoE only).")
     cp: int = Field(1, ge=1, description="Context-parallel ranks (ring attention over the sequence).")
 
@@ -154,11 +159,15 @@ def check(cfg: Config) -> list[Problem]:
         bad(["train.seq_len", "parallel.tp", "parallel.sp"], f"seq_len={t.seq_len} is not divisible by tp={p.tp}",
             "with sp=true seq_len must be a multiple of tp")
     stages = p.pp * p.pp_virtual
-    if m.n_layers % stages:
+    if m.n_layers < stages:
         bad(["model.n_layers", "parallel.pp", "parallel.pp_virtual"],
-            f"n_layers={m.n_layers} does not split evenly into pp*pp_virtual={stages} stages (uneven stages leave "
-            "the pipeline waiting on the slowest one)",
-            f"use pp*pp_virtual in {_divisors(m.n_layers)}")
+            f"n_layers={m.n_layers} cannot give each of pp*pp_virtual={stages} stages a layer",
+            f"use pp*pp_virtual <= {m.n_layers}")
+    else:
+        why = check_pp_layers(p.pp_layers, m.n_layers, stages)
+        if why:
+            bad(["parallel.pp_layers", "model.n_layers"], why,
+                f"give {stages} positive layer counts summing to {m.n_layers}, or drop pp_layers to split by cost")
     if p.pp_schedule in ("interleaved_1f1b", "zero_bubble") and p.pp > 1 and p.pp_virtual < 2:
         bad(["parallel.pp_schedule", "parallel.pp_virtual"], f"{p.pp_schedule} needs pp_virtual >= 2 chunks per rank",
             "set parallel.pp_virtual=2, or use pp_schedule=1f1b")
@@ -215,10 +224,6 @@ def check(cfg: Config) -> list[Problem]:
         bad(["parallel.zero", "parallel.ep"], "ZeRO-1 (ZeroRedundancyOptimizer) broadcasts every updated "
             "parameter from its owner, which would overwrite one EP rank's experts with another's",
             "use parallel.zero=0 (DDP) or 2/3 (FSDP, experts sharded over the expert-data-parallel ranks)")
-    if m.num_experts and p.pp > 1 and m.aux_loss_coef + m.z_loss_coef > 0:
-        bad(["model.num_experts", "parallel.pp", "model.aux_loss_coef"], "the pipeline schedule's loss sees only "
-            "the last stage's output, so the router's auxiliary losses on earlier stages would get no gradient",
-            "use pp=1 for MoE (add ep instead), or set aux_loss_coef=0 and z_loss_coef=0")
     nodes_gpus = h.gpus_per_node * h.nodes
     if cfg.world_size > nodes_gpus:
         bad(["hardware.gpus_per_node", "hardware.nodes"],

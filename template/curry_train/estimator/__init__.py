@@ -70,6 +70,7 @@ from curry_train.estimator.layout import (
     flops_per_token,
     hardware_flops_per_token,
     param_count,
+    stage_split,
 )
 from curry_train.estimator.peak import PP_KEEPS_OUTPUTS, _peak
 from curry_train.estimator.pipeline import bubble_fraction, in_flight, pipe_states, stage_ids
@@ -217,6 +218,9 @@ def estimate(cfg: Config, *, hardware: str | HardwareProfile | None = None,
         if x.fsdp and x.pp > 1 else "",
         "pipeline step() keeps every micro-batch's logits on the last stage (return_outputs=True)"
         if x.pp > 1 and PP_KEEPS_OUTPUTS else "",
+        "CP ring attention on fused kernels with LSE (flash on CPU, memory-efficient on CUDA): O(T/cp) memory, "
+        "compute-dtype FLOPs" if x.cp > 1 else "",
+        f"pipeline stages {list(stage_split(x))} layers (pipeline_split.py)" if x.pp > 1 else "",
     ]
     return Estimate(memory=worst, per_pp_rank=per, budget_bytes=budget, reserve_bytes=reserve, usable_bytes=usable,
                     fits=worst.total <= usable, headroom_bytes=usable - worst.total, param_count=param_count(cfg),

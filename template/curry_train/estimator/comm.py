@@ -10,10 +10,16 @@ import math
 from pydantic import BaseModel, Field
 
 from curry_train.estimator.acts import _acts, _moe_slots
-from curry_train.estimator.layout import _block_tensors, _Layout, flops_per_token, hardware_flops_per_token
-from curry_train.estimator.pipeline import bubble_fraction, stage_ids
-from curry_train.estimator.states import _states
+from curry_train.estimator.layout import (
+    _block_tensors,
+    _Layout,
+    flops_per_token,
+    hardware_flops_per_token,
+    rank_layers,
+)
+from curry_train.estimator.pipeline import bubble_fraction, pipeline_imbalance, stage_ids
 from curry_train.estimator.profiles import HardwareProfile
+from curry_train.estimator.states import _states
 
 FIRST_BUCKET_BYTES = 1 * 2**20  # DDP's first bucket; later ones are 25 MiB
 BUCKET_BYTES = 25 * 2**20
@@ -84,7 +90,7 @@ def _comm(x: _Layout, hw: HardwareProfile, t_compute: float) -> list[CommItem]:
                               exposed_s=max(0.0, tm * exposed_share - overlap_s)))
 
     dp_link = _span_link(x, x.dpcp, x.tp)
-    layers = x.L // x.pp
+    layers = max(rank_layers(x, stage_ids(x, r)) for r in range(x.pp))  # the busiest pipeline rank
     if x.ddp:
         nbytes = st.ddp_buckets
         calls = max(1, math.ceil(max(nbytes - FIRST_BUCKET_BYTES, 0) / BUCKET_BYTES) + 1)
@@ -149,13 +155,10 @@ def _step_time(x: _Layout, hw: HardwareProfile) -> tuple[StepTime, list[CommItem
     f_rank = tokens_step * hardware_flops_per_token(x) / (x.dp * x.cp * x.tp * x.pp)
     peak = hw.peak_flops(x.dtype)
     t_compute = f_rank / (peak * hw.efficiency)
-    if x.cp > 1:
-        # context_parallel.py's ring attention multiplies unfused fp32 score tiles (no flash kernel): its
-        # attention FLOPs (causal half, plus the masked diagonal tiles) run at the fp32 peak, not the bf16 one
-        attn = tokens_step * 6.0 * x.L * x.H * x.Dh * x.s * (1 + 1 / (2 * x.cp)) / (x.dp * x.cp * x.tp * x.pp)
-        if x.recompute == "full":
-            attn *= 4.0 / 3.0
-        t_compute += attn / (hw.peak_flops("float32") * hw.efficiency) - attn / (peak * hw.efficiency)
+    # CP: context_parallel.py runs every ring block through the fused attention kernel (flash on CPU,
+    # memory-efficient on CUDA) in the compute dtype, causal blocks at causal cost: no fp32 or masked-tile
+    # surcharge, the attention FLOPs are those of hardware_flops_per_token.
+    t_compute *= pipeline_imbalance(x)  # the busiest pipeline rank sets the pace (pipeline_split)
     bubble = t_compute * bubble_fraction(x)
     items = _comm(x, hw, t_compute)
     exposed = sum(i.exposed_s for i in items)

@@ -7,7 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from curry_train.estimator.layout import _Layout
+from curry_train.estimator.layout import _Layout, stage_split
+from curry_train.pipeline_split import stage_costs
 
 
 def stage_ids(x: _Layout, pp_rank: int) -> list[int]:
@@ -17,6 +18,19 @@ def stage_ids(x: _Layout, pp_rank: int) -> list[int]:
     if x.schedule == "zero_bubble" and x.v == 2:
         return [pp_rank, 2 * x.pp - 1 - pp_rank]
     return [pp_rank + k * x.pp for k in range(x.v)]
+
+
+def pipeline_imbalance(x: _Layout) -> float:
+    """Busiest pipeline rank's forward cost over the mean rank's (1.0 without a pipeline), in the cost units of
+    pipeline_split.stage_costs (layers, embedding on stage 0, head + loss on the last stage)."""
+    if x.pp == 1:
+        return 1.0
+    layer, embed, head = stage_costs(d_model=x.D, n_heads=x.H, n_kv_heads=x.G, d_ff=x.F, vocab_size=x.V,
+                                     seq_len=x.s, num_experts=x.E, top_k=x.K)
+    split, n_stages = stage_split(x), x.pp * x.v
+    costs = [sum(split[s] * layer + (embed if s == 0 else 0) + (head if s == n_stages - 1 else 0)
+                 for s in stage_ids(x, r)) for r in range(x.pp)]
+    return max(costs) / (sum(costs) / x.pp)
 
 
 def _actions(x: _Layout, rank: int) -> list[tuple[str, int]]:

@@ -27,6 +27,10 @@ def group_size(group: Any) -> int:
     return 1 if group is None else dist.get_world_size(group)
 
 
+def group_rank(group: Any) -> int:
+    return 0 if group is None else dist.get_rank(group)
+
+
 # --------------------------------------------------------------------------- all-to-all (expert parallel)
 
 
