@@ -22,9 +22,9 @@ import torch
 import torch.distributed as dist
 
 from curry_train.config import Config, ConfigError, load_config, parse_sets
-from curry_train.model.data import global_batch, micro_batches
 from curry_train.mesh import Topology, build_mesh, device_type
-from curry_train.model.gpt import aux_loss, build_model, lm_loss
+from curry_train.model.data import global_batch, micro_batches
+from curry_train.model.gpt import aux_loss, build_meta_model, lm_loss
 from curry_train.parallel.parallelize import Parallelized, grad_reduce_group, parallelize
 
 
@@ -46,7 +46,10 @@ def init_distributed(cfg: Config) -> torch.device:
 def setup(cfg: Config, device: torch.device | None = None, *, model_hook=None) -> Parallelized:
     """This rank's parallel model + optimizer. World size must equal dp*tp*pp*cp.
 
-    `model_hook(model)` runs on the full model before parallelize (the white-box self-test injects faults there).
+    The model is built on the meta device and each rank materialises only its local shards after the layout is
+    applied (parallel/materialize.py): no rank ever holds the full model, and every layout starts from the
+    reference's weights. `model_hook(model)` runs on the (meta) model before parallelize (the white-box
+    self-test injects faults there).
     """
     topo = Topology.from_config(cfg)
     world = dist.get_world_size() if dist.is_initialized() else 1
@@ -56,7 +59,7 @@ def setup(cfg: Config, device: torch.device | None = None, *, model_hook=None) -
         )
     device = device or torch.device(device_type(cfg))
     mesh = build_mesh(topo, device.type) if world > 1 else None
-    model = build_model(cfg)
+    model = build_meta_model(cfg)
     if model_hook is not None:
         model_hook(model)
     return parallelize(model, mesh, cfg, topo=topo, device=device)
