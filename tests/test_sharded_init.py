@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 from curry_train.config import load_config
+from curry_train.estimator import GiB, estimate, estimate_memory
 from curry_train.model.gpt import build_model
 from curry_train.train.launch import launch_forkserver
 from curry_train.validation.whitebox import whitebox_batch
@@ -44,6 +45,7 @@ def test_big_model_initialises_sharded_within_the_bound():
     largest = max(p.numel() for p in ref.parameters()) * F32
     rope = 2 * ref.rope_cos.numel() * F32
     per_rank = launch_forkserver(_init_job, 4, BIG, timeout=300)
+    est = estimate(cfg)
     for r, m in enumerate(per_rank):
         shard = m["local_bytes"]
         assert full >= 4 * shard * 0.99, (full, shard)  # ZeRO-3 at dp=4: a quarter (plus FSDP padding)
@@ -51,6 +53,7 @@ def test_big_model_initialises_sharded_within_the_bound():
         assert m["init_peak_bytes"] <= bound, (r, m, bound)
         assert m["init_peak_bytes"] < full / 2, (r, m, full)  # nobody ever held the full model
         assert m["after_init_bytes"] >= shard
+        assert abs(est.init_peak_bytes - m["init_peak_bytes"]) <= 64, (est.init_peak_bytes, m)  # the estimator
 
 
 def test_single_process_init_is_the_reference_model():
@@ -83,3 +86,12 @@ def test_every_sharding_materialises_the_reference_weights(tmp_path):
     verdicts = whitebox_batch(cfgs, steps=2, out_dir=tmp_path, timeout=600)
     failed = {str(o): (v.failures[:3], v.worst_parameter) for o, v in zip(overrides, verdicts) if not v.passed}
     assert not failed, failed
+
+
+def test_estimator_init_peak_at_the_big_presets_and_fits_covers_it():
+    for name, full_gib in (("llama3-70b", 262), ("llama3-405b", 1511)):
+        e = estimate_memory(load_config(REPO / "configs" / f"{name}.yaml"))
+        assert e.param_count * F32 / GiB > full_gib  # the full fp32 model no GPU could hold ...
+        assert 0 < e.init_peak_bytes < 16 * GiB  # ... and what a rank holds while it initialises
+        assert e.headroom_bytes == e.usable_bytes - max(e.memory.total, e.init_peak_bytes)
+        assert e.fits is (max(e.memory.total, e.init_peak_bytes) <= e.usable_bytes)
