@@ -26,6 +26,7 @@ from curry_train.mesh import Topology, build_mesh, device_type
 from curry_train.model.data import global_batch, micro_batches
 from curry_train.model.gpt import aux_loss, build_meta_model, lm_loss
 from curry_train.parallel.parallelize import Parallelized, grad_reduce_group, parallelize
+from curry_train.train.optim import install as install_optim_hooks
 
 
 def init_distributed(cfg: Config) -> torch.device:
@@ -62,7 +63,9 @@ def setup(cfg: Config, device: torch.device | None = None, *, model_hook=None) -
     model = build_meta_model(cfg)
     if model_hook is not None:
         model_hook(model)
-    return parallelize(model, mesh, cfg, topo=topo, device=device)
+    par = parallelize(model, mesh, cfg, topo=topo, device=device)
+    par.step_ctl = install_optim_hooks(par.optimizer, cfg, par.parts, mesh)  # lr schedule + grad clip
+    return par
 
 
 def rank() -> int:

@@ -125,11 +125,13 @@ def reference(cfg: Config, steps: int) -> dict[str, Any]:
     """The single-device reference: same seed, same micro-batches in dp-rank order, fp32, plain AdamW."""
     from curry_train.model.data import global_batch, micro_batches
     from curry_train.model.gpt import aux_loss, build_model, lm_loss
+    from curry_train.train.optim import install
 
     torch.set_num_threads(1)  # match the ranks' thread count so matmuls sum in the same order
     ref_cfg = from_dict(cfg.to_dict(), {"train.dtype": "float32"}, validate=False)
     model = build_model(ref_cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
+    install(opt, cfg, [model])  # the same lr schedule and grad clip as the ranks (train/optim.py)
     dp, n = cfg.parallel.dp, cfg.num_microbatches
     flat = from_dict(cfg.to_dict(), {"parallel.cp": 1}, validate=False)  # full sequences
     losses, grads = [], []
