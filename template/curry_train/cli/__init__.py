@@ -19,7 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 # Feature modules that add their own subcommands: each defines add_subcommands(subparsers).
-EXTENSIONS = ["curry_train.cli.brain", "curry_train.cli.tools", "curry_train_mcp.cli"]
+EXTENSIONS = ["curry_train.cli.brain", "curry_train.cli.tools", "curry_train.cli.scale", "curry_train_mcp.cli"]
 
 EXIT_OK, EXIT_FAIL, EXIT_INVALID = 0, 1, 2
 
@@ -44,8 +44,8 @@ def add_config_args(p: argparse.ArgumentParser) -> None:
 
 
 def _cmd_train(a: argparse.Namespace) -> int:
-    from curry_train.measure import service
     from curry_train.config import parse_sets
+    from curry_train.measure import service
 
     rec = service.train(a.config, parse_sets(a.set), root=a.root, timeout=a.timeout)
     m = rec.metrics
@@ -69,8 +69,8 @@ def _human_verdict(v: Any) -> str:
 
 
 def _cmd_whitebox(a: argparse.Namespace) -> int:
-    from curry_train.measure import service
     from curry_train.config import parse_sets
+    from curry_train.measure import service
 
     v = service.whitebox(a.config, parse_sets(a.set), steps=a.steps, root=a.root, timeout=a.timeout,
                          break_grad_sync=a.break_grad_sync)
@@ -129,8 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     from curry_train.config import ConfigError
-    from curry_train.train.launch import LaunchError
     from curry_train.paths import UnsafeName
+    from curry_train.train.launch import LaunchError
 
     args = build_parser().parse_args(argv)
     try:

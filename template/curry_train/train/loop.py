@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from curry_train.config import Config, ConfigError, load_config, parse_sets
 from curry_train.mesh import Topology, build_mesh, device_type
-from curry_train.model.data import global_batch, micro_batches
+from curry_train.model.data import global_batch, rank_micro_batches
 from curry_train.model.gpt import aux_loss, build_meta_model, lm_loss
 from curry_train.parallel.parallelize import Parallelized, grad_reduce_group, parallelize
 from curry_train.train.optim import install as install_optim_hooks
@@ -82,15 +82,14 @@ class StepResult:
 def forward_backward(par: Parallelized, step: int) -> torch.Tensor:
     """Accumulate this rank's gradients for optimizer step `step`; returns the global mean loss (all ranks)."""
     cfg, topo = par.cfg, par.topo
-    inputs, targets = global_batch(cfg, step)
     if topo.pp > 1:
         from curry_train.parallel.pipeline import pipeline_forward_backward
 
-        return pipeline_forward_backward(par, inputs, targets)
+        return pipeline_forward_backward(par, *global_batch(cfg, step))
     coords = topo.coords(rank())
     model, n = par.parts[0], cfg.num_microbatches
     losses = []
-    for m, (x, y, pos) in enumerate(micro_batches(cfg, inputs, targets, coords["dp"], coords["cp"])):
+    for m, (x, y, pos) in enumerate(rank_micro_batches(cfg, step, coords["dp"], coords["cp"])):
         par.grad_sync(m == n - 1)  # reduce gradients once, on the last micro-step
         x, y, pos = x.to(par.device), y.to(par.device), pos.to(par.device)
         with par.autocast():
