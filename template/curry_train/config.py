@@ -2,7 +2,7 @@
 
     python -m curry_train.config configs/tiny.yaml --set parallel.dp=2     # validate and print the resolved config
 
-A config is four sections (model, train, parallel, hardware) of pydantic models. Unknown keys are errors, and
+A config is five sections (model, train, parallel, hardware, data) of pydantic models. Unknown keys are errors, and
 `validate_config` checks every cross-field rule (divisibility, world size, micro-batches) *before* any process
 starts; each problem names the field(s), the values and the fix. Precedence: dotted overrides > file > defaults.
 """
@@ -53,6 +53,16 @@ class TrainConfig(_Section):
         "float32", description="Compute dtype; master params, grads and optimizer state stay fp32."
     )
     seed: int = Field(0, ge=0, description="Seeds the weights and the synthetic data; layout-independent.")
+    lr_schedule: Literal["constant", "cosine"] = Field(
+        "constant", description="constant, or cosine decay to lr/10 at train.steps (after the warm-up).")
+    warmup_steps: int = Field(0, ge=0, description="Linear warm-up from lr/(warmup_steps+1) to lr over these steps.")
+    grad_clip: float = Field(0.0, ge=0.0, description="Clip the global gradient L2 norm to this value; 0 = off.")
+
+
+class DataConfig(_Section):
+    path: str | None = Field(None, description="Flat token file (nanoGPT .bin: raw uint16/uint32 ids, no header), "
+                                               "memory-mapped; None = the synthetic stream. See prepare-data.")
+    dtype: Literal["uint16", "uint32"] = Field("uint16", description="Element type of data.path's tokens.")
 
 
 class ParallelConfig(_Section):
@@ -87,6 +97,7 @@ class Config(_Section):
     train: TrainConfig = Field(default_factory=TrainConfig)
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     hardware: HardwareConfig = Field(default_factory=HardwareConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
 
     @property
     def world_size(self) -> int:

@@ -49,6 +49,8 @@ Files (this one holds the public API and the result models; the others are re-ex
   estimate_states.py    params, gradients, AdamW state and the DDP / ZeRO-1 / FSDP buffers around them
   estimate_peak.py      the moments of the step and the per-rank peak
   estimate_comm.py      collectives per step and the step time (CommItem, StepTime)
+  init.py               the init peak (meta-device build, then local shards one parameter at a time)
+`fits` needs both the step peak and the init peak under the usable budget.
 """
 
 from __future__ import annotations
@@ -61,6 +63,7 @@ from pydantic import BaseModel, Field
 
 from curry_train.config import Config, from_dict, load_yaml
 from curry_train.estimator.comm import CommItem, StepTime, _step_time
+from curry_train.estimator.init import init_peak
 from curry_train.estimator.layout import (
     GiB,
     _Layout,
@@ -74,8 +77,8 @@ from curry_train.estimator.layout import (
 )
 from curry_train.estimator.peak import PP_KEEPS_OUTPUTS, _peak
 from curry_train.estimator.pipeline import bubble_fraction, in_flight, pipe_states, stage_ids
-from curry_train.estimator.states import _states
 from curry_train.estimator.profiles import HardwareProfile, from_device_name, from_probe, get_profile, guess_profile
+from curry_train.estimator.states import _states
 
 __all__ = [  # the public API; planner.py and the tests also reach into _layout, _replace and _states
     "CommItem", "Estimate", "GiB", "MemoryBreakdown", "Quick", "StepTime", "_layout", "_replace", "_states",
@@ -121,8 +124,10 @@ class Estimate(BaseModel):
     budget_bytes: int = Field(description="hardware.gpu_memory_gib.")
     reserve_bytes: int = Field(description="Held back for the CUDA context/NCCL and fragmentation (0 on CPU).")
     usable_bytes: int = Field(description="budget - reserve: what the peak must stay under.")
-    fits: bool
-    headroom_bytes: int = Field(description="usable - total (negative: over budget).")
+    fits: bool = Field(description="Both the step peak (memory.total) and init_peak_bytes are <= usable_bytes.")
+    headroom_bytes: int = Field(description="usable - max(total, init peak) (negative: over budget).")
+    init_peak_bytes: int = Field(0, description="Peak while the rank builds its model: local shards + the largest "
+                                               "full parameter (+ its local chunk, RoPE tables; DDP: + buckets).")
     param_count: int = Field(description="Parameters of the whole model.")
     params_per_rank: int = Field(description="Parameters stored on the largest rank (after TP/PP/EP/FSDP).")
     model_state_bytes: int = Field(description="fp32 params + final grads + AdamW state on the largest rank.")
@@ -203,9 +208,11 @@ def estimate(cfg: Config, *, hardware: str | HardwareProfile | None = None,
     hw = resolve_hardware(cfg, hardware, probe)
     per = [_breakdown(x, r) for r in range(x.pp)]
     worst = max(per, key=lambda b: b.total)
+    init = max(init_peak(x, r) for r in range(x.pp))
     budget = int(x.budget_gib * GiB)
     reserve = reserve_bytes(cfg)
     usable = budget - reserve
+    need = max(worst.total, init)
     step, items = _step_time(x, hw)
     st = _states(x, stage_ids(x, worst.pp_rank))
     states = st.params + st.grads_full + st.opt
@@ -223,7 +230,8 @@ def estimate(cfg: Config, *, hardware: str | HardwareProfile | None = None,
         f"pipeline stages {list(stage_split(x))} layers (pipeline_split.py)" if x.pp > 1 else "",
     ]
     return Estimate(memory=worst, per_pp_rank=per, budget_bytes=budget, reserve_bytes=reserve, usable_bytes=usable,
-                    fits=worst.total <= usable, headroom_bytes=usable - worst.total, param_count=param_count(cfg),
+                    fits=need <= usable, headroom_bytes=usable - need, init_peak_bytes=init,
+                    param_count=param_count(cfg),
                     params_per_rank=st.n_stored, model_state_bytes=states,
                     model_state_bytes_per_param=states / max(param_count(cfg), 1),
                     active_params_per_token=active_params(cfg),
@@ -275,7 +283,7 @@ def quick_layout(x: _Layout, hw: HardwareProfile) -> Quick:
     ranks = [0, x.pp - 1] if x.pp > 1 else [0]
     if x.pp > 1 and x.schedule == "zero_bubble" and x.v == 2:
         ranks.append(x.pp // 2)
-    total = max(_peak(x, r).total for r in ranks)
+    total = max(max(_peak(x, r).total, init_peak(x, r)) for r in ranks)  # the init peak must fit too
     step, _ = _step_time(x, hw)
     usable = int(x.budget_gib * GiB) - _reserve(x)
     return Quick(total=total, usable=usable, step_s=step.total_s, comm_fraction=step.comm_fraction, mfu=step.mfu)

@@ -75,6 +75,9 @@ class BenchResult(BaseModel):
     tokens_per_s: float | None
     peak_memory_bytes: int = Field(description="Largest per-rank peak (CUDA: allocator high-water mark).")
     per_rank_peak_bytes: list[int] = Field(default_factory=list)
+    init_peak_bytes: list[int] = Field(default_factory=list, description="Per rank: peak live bytes while it built "
+                                       "its model (meta build + local shards, measure/init_memory.py; CUDA: the "
+                                       "larger of that and the allocator's high-water mark).")
     memory_breakdown: MemoryBreakdown = Field(description="params/grads/optimizer/activations/other of the rank "
                                                           "with the largest peak.")
     memory_budget_bytes: int = Field(description="hardware.gpu_memory_gib in bytes: the per-rank budget.")
@@ -154,7 +157,7 @@ def bench_job(spec: dict[str, Any]) -> dict[str, Any]:
     import torch
 
     from curry_train.config import from_dict
-    from curry_train.train.loop import init_distributed, rank, setup, train_step
+    from curry_train.train.loop import init_distributed, rank, train_step
 
     cfg = from_dict(spec["config"])
     steps, warmup = int(spec.get("steps", 5)), int(spec.get("warmup", 1))
@@ -166,7 +169,10 @@ def bench_job(spec: dict[str, Any]) -> dict[str, Any]:
         out["device_name"] = torch.cuda.get_device_name(device)
     progress = Path(spec["out_dir"]) / "progress.log" if r == 0 else None
     try:
-        par = setup(cfg, device)
+        from curry_train.measure.init_memory import measure_init
+
+        par, init = measure_init(cfg, device)
+        out["init_peak_bytes"] = max(init["init_peak_bytes"], init.get("cuda_init_peak_bytes", 0))
         if cuda:
             torch.cuda.reset_peak_memory_stats(device)
         history = []
@@ -278,6 +284,7 @@ def summarise(cfg: Config, values: list[dict[str, Any]], *, run_id: str, config_
         parallel=cfg.parallel.model_dump(), steps=steps, warmup=warmup, step_time_s=step_time,
         step_times_s=per_step, tokens_per_s=tokens / step_time if step_time else None,
         peak_memory_bytes=peaks[worst], per_rank_peak_bytes=peaks, memory_breakdown=breakdowns[worst],
+        init_peak_bytes=[int(v.get("init_peak_bytes", 0)) for v in values],
         memory_budget_bytes=budget, losses=losses, loss_finite=bool(losses) and all(math.isfinite(x) for x in losses),
         oom=over, oom_detail=(f"measured peak {peaks[worst]} B on rank {worst} > budget {budget} B "
                               f"(hardware.gpu_memory_gib={cfg.hardware.gpu_memory_gib})") if over else None,
@@ -328,9 +335,9 @@ def bench(config: str, steps: int = 5, warmup: int = 1, overrides: dict[str, Any
           root: str | Path | None = None, timeout: float = 900.0, cancel: threading.Event | None = None,
           progress: Callable[[str], None] | None = None) -> BenchResult:
     """Benchmark `config` (a name in configs/) with dotted `overrides`; the run is recorded in the ledger."""
-    from curry_train.train.launch import LaunchError, start_torchrun
-    from curry_train.store.runs import Ledger
     from curry_train.measure.service import resolve
+    from curry_train.store.runs import Ledger
+    from curry_train.train.launch import LaunchError, start_torchrun
 
     if steps < 1 or warmup < 0:
         raise ValueError("steps must be >= 1 and warmup >= 0")

@@ -23,7 +23,13 @@ def resolve(config: str, overrides: dict[str, Any] | None = None, root: str | Pa
 
         names = sorted(p.stem for p in configs_dir(root).glob("*.yaml"))
         raise FileNotFoundError(f"no config {config!r}; available: {', '.join(names) or '(none)'}")
-    return load_config(path, overrides), path.stem
+    cfg = load_config(path, overrides)
+    if cfg.data.path:  # ranks may start elsewhere: pass an absolute path; a bad file fails here, before a launch
+        from curry_train.model.data import token_file
+
+        cfg.data.path = str(Path(cfg.data.path).expanduser().resolve())
+        token_file(cfg)
+    return cfg, path.stem
 
 
 def train(config: str, overrides: dict[str, Any] | None = None, *, root: str | Path | None = None,

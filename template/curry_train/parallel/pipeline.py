@@ -98,12 +98,14 @@ def _positions_hook(positions: torch.Tensor):
     return hook
 
 
-def apply_pp(model: nn.Module, mesh: Any, cfg: Config) -> tuple[list[nn.Module], list[int]]:
-    """Split `model` into this rank's stage modules. Returns (parts, stage_ids), in schedule order."""
+def apply_pp(model: nn.Module, mesh: Any, cfg: Config, device: torch.device | None = None
+             ) -> tuple[list[nn.Module], list[int]]:
+    """Split `model` into this rank's stage modules. Returns (parts, stage_ids), in schedule order.
+    `device`: where the stages will run (the model itself may still be on "meta", parallel/materialize.py)."""
     pp_rank = mesh["pp"].get_local_rank()
     cp_rank = mesh["cp"].get_local_rank()
     ids = stage_ids(pp_rank, cfg)
-    device = next(model.parameters()).device
+    device = device or next(model.parameters()).device
     positions = cp_positions(cfg.train.seq_len, cfg.parallel.cp, cp_rank).to(device)  # [T / cp]
     parts = []
     from curry_train.model.moe import moe_layers

@@ -22,10 +22,11 @@ import torch
 import torch.distributed as dist
 
 from curry_train.config import Config, ConfigError, load_config, parse_sets
-from curry_train.model.data import global_batch, micro_batches
 from curry_train.mesh import Topology, build_mesh, device_type
-from curry_train.model.gpt import aux_loss, build_model, lm_loss
+from curry_train.model.data import global_batch, rank_micro_batches
+from curry_train.model.gpt import aux_loss, build_meta_model, lm_loss
 from curry_train.parallel.parallelize import Parallelized, grad_reduce_group, parallelize
+from curry_train.train.optim import install as install_optim_hooks
 
 
 def init_distributed(cfg: Config) -> torch.device:
@@ -46,7 +47,10 @@ def init_distributed(cfg: Config) -> torch.device:
 def setup(cfg: Config, device: torch.device | None = None, *, model_hook=None) -> Parallelized:
     """This rank's parallel model + optimizer. World size must equal dp*tp*pp*cp.
 
-    `model_hook(model)` runs on the full model before parallelize (the white-box self-test injects faults there).
+    The model is built on the meta device and each rank materialises only its local shards after the layout is
+    applied (parallel/materialize.py): no rank ever holds the full model, and every layout starts from the
+    reference's weights. `model_hook(model)` runs on the (meta) model before parallelize (the white-box
+    self-test injects faults there).
     """
     topo = Topology.from_config(cfg)
     world = dist.get_world_size() if dist.is_initialized() else 1
@@ -56,10 +60,12 @@ def setup(cfg: Config, device: torch.device | None = None, *, model_hook=None) -
         )
     device = device or torch.device(device_type(cfg))
     mesh = build_mesh(topo, device.type) if world > 1 else None
-    model = build_model(cfg)
+    model = build_meta_model(cfg)
     if model_hook is not None:
         model_hook(model)
-    return parallelize(model, mesh, cfg, topo=topo, device=device)
+    par = parallelize(model, mesh, cfg, topo=topo, device=device)
+    par.step_ctl = install_optim_hooks(par.optimizer, cfg, par.parts, mesh)  # lr schedule + grad clip
+    return par
 
 
 def rank() -> int:
@@ -76,15 +82,14 @@ class StepResult:
 def forward_backward(par: Parallelized, step: int) -> torch.Tensor:
     """Accumulate this rank's gradients for optimizer step `step`; returns the global mean loss (all ranks)."""
     cfg, topo = par.cfg, par.topo
-    inputs, targets = global_batch(cfg, step)
     if topo.pp > 1:
         from curry_train.parallel.pipeline import pipeline_forward_backward
 
-        return pipeline_forward_backward(par, inputs, targets)
+        return pipeline_forward_backward(par, *global_batch(cfg, step))
     coords = topo.coords(rank())
     model, n = par.parts[0], cfg.num_microbatches
     losses = []
-    for m, (x, y, pos) in enumerate(micro_batches(cfg, inputs, targets, coords["dp"], coords["cp"])):
+    for m, (x, y, pos) in enumerate(rank_micro_batches(cfg, step, coords["dp"], coords["cp"])):
         par.grad_sync(m == n - 1)  # reduce gradients once, on the last micro-step
         x, y, pos = x.to(par.device), y.to(par.device), pos.to(par.device)
         with par.autocast():

@@ -176,6 +176,7 @@ def reference(cfg: Config, steps: int) -> dict[str, Any]:
     from curry_train.mesh import device_type
     from curry_train.model.data import global_batch
     from curry_train.model.gpt import aux_loss, build_model, lm_loss
+    from curry_train.train.optim import install
 
     dev = device_type(cfg)
     device = torch.device("cuda", 0) if dev == "cuda" else torch.device("cpu")
@@ -187,6 +188,7 @@ def reference(cfg: Config, steps: int) -> dict[str, Any]:
         model = build_model(ref_cfg).to(device)
         before = {k: p.detach().cpu().clone() for k, p in model.named_parameters()}
         opt = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
+        install(opt, cfg, [model])  # the same lr schedule and grad clip as the ranks (train/optim.py)
         losses, grads, params = [], [], []
         for step in range(steps):
             inputs, targets = global_batch(cfg, step)  # [global_batch, T]: every sequence of the step
