@@ -13,12 +13,12 @@ from types import SimpleNamespace
 
 import pytest
 from curry_train.cli import climb as climb_mod
-from curry_train.measure import service
-from curry_train.measure.bench import BenchResult, EstimateSide, MemoryBreakdown
 from curry_train.cli.climb import climb, format_table
 from curry_train.config import load_config
-from curry_train.store.configs import history
 from curry_train.estimator import estimate_memory
+from curry_train.measure import service
+from curry_train.measure.bench import BenchResult, EstimateSide, MemoryBreakdown
+from curry_train.store.configs import history
 
 
 @pytest.fixture
