@@ -13,12 +13,12 @@ from types import SimpleNamespace
 
 import pytest
 from curry_train.cli import climb as climb_mod
-from curry_train.measure import service
-from curry_train.measure.bench import BenchResult, EstimateSide, MemoryBreakdown
 from curry_train.cli.climb import climb, format_table
 from curry_train.config import load_config
-from curry_train.store.configs import history
 from curry_train.estimator import estimate_memory
+from curry_train.measure import service
+from curry_train.measure.bench import BenchResult, EstimateSide, MemoryBreakdown
+from curry_train.store.configs import history
 
 
 @pytest.fixture
@@ -41,7 +41,8 @@ def fake_runs(monkeypatch):
             estimate=EstimateSide(**{k: getattr(est, k) for k in ("params", "grads", "optimizer", "activations",
                                                                  "other", "total")}), wall_s=0.1)
 
-    def fake_whitebox(name, overrides=None, *, steps=1, root=None, timeout=0, cancel=None, break_grad_sync=None):
+    def fake_whitebox(name, overrides=None, *, steps=2, root=None, timeout=0, cancel=None, inject=None):
+        assert steps == 2  # the climb proves two updates per rung (optimizer bugs show in the second)
         cfg, _ = service.resolve(name, overrides, root)
         calls["whitebox"].append(cfg.parallel.model_dump())
         return SimpleNamespace(passed=cfg.parallel.model_dump() not in broken, run_id=f"wb-{len(calls['whitebox'])}")

@@ -30,11 +30,11 @@ from typing import Any
 import anyio
 import pytest
 from anyio.from_thread import start_blocking_portal
-from curry_train.measure.bench import BenchResult, MemoryBreakdown
+from curry_train.advice.sweep import SweepResult
 from curry_train.config import flatten, load_config
+from curry_train.measure.bench import BenchResult, MemoryBreakdown
 from curry_train.measure.hardware import HardwareReport
 from curry_train.store.runs import Ledger
-from curry_train.advice.sweep import SweepResult
 from curry_train_mcp import server as server_mod
 from curry_train_mcp.jobs import WorkerError
 from hypothesis import HealthCheck, given, settings
@@ -127,7 +127,8 @@ CHAOS: dict[str, st.SearchStrategy[dict[str, Any]]] = {
                       {"steps": ints(1, 1000), "warmup": ints(0, 100), "overrides": OVERRIDES, "plot": BOOL,
                        "timeout_s": TIMEOUT}),
     "whitebox_compare": args_for({"config": names(GOOD_CONFIGS)},
-                                 {"steps": ints(1, 50), "overrides": OVERRIDES, "timeout_s": TIMEOUT}),
+                                 {"steps": ints(1, 50), "overrides": OVERRIDES, "timeout_s": TIMEOUT,
+                                  "inject": st.one_of(st.none(), names(["data-same-rows", "replica-lr", "nope"]))}),
     "update_config": args_for({"name": names(["fz-a", "fz-b", "fz-c.2"]), "changes": OVERRIDES},
                               {"base": st.one_of(st.none(), names(GOOD_CONFIGS))}),
     "runs_diff": args_for({"run_a": RUN_IDS, "run_b": RUN_IDS}, {}),
@@ -224,7 +225,8 @@ DEFECTS = {
               ("warmup", 101), ("overrides", {"parallel.nope": 1}), ("overrides", {"parallel.tp": 3}),
               ("overrides", [1]), ("timeout_s", 0), ("timeout_s", -5), ("stepz", 3)],
     "whitebox_compare": [("config", "/etc/passwd"), ("config", "con"), ("steps", 51), ("steps", None),
-                         ("overrides", {"parallel.dp": 0}), ("timeout_s", "soon"), ("stepz", 1)],
+                         ("overrides", {"parallel.dp": 0}), ("timeout_s", "soon"), ("stepz", 1),
+                         ("inject", "nope"), ("inject", "ep-expert-unreduced"), ("inject", 3)],
     "plan": [("model", "../x"), ("gpus_per_node", 0), ("nodes", -1), ("gpu_memory_gib", 0), ("seq_len", 1),
              ("global_batch", "many"), ("micro_batch", 0)],
     "capacity_sweep": [("config", "a/b"), ("max_micro_batch", 0), ("max_runs_per_rung", 65), ("rungs", ["bogus"]),
@@ -272,7 +274,11 @@ class FakeLauncher:
         json.dumps(args)  # the request must travel as JSON
         assert 0 < deadline_s <= 24 * 3600, deadline_s
         if "config" in args:  # nothing may launch with a config that does not validate
-            resolve(args["config"], args.get("overrides") or {}, self.root)
+            cfg, _ = resolve(args["config"], args.get("overrides") or {}, self.root)
+            if args.get("inject") is not None:  # ... nor with a planted bug that cannot apply to it
+                from curry_train.validation.inject import check
+
+                check(args["inject"], cfg)
         self.last = next(self.outcomes)
         if self.last == "result":
             return CANNED[task]

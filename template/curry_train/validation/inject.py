@@ -160,7 +160,7 @@ def check(name: str, cfg: Config) -> Injection:
     why = inj.needs(cfg)
     if why:
         raise InjectionError(f"injection {name!r} ({inj.family}) does not apply to this layout: it {why}. "
-                             f"Its natural layout: {inj.layout}.")
+                             f"Use its natural layout ({inj.layout}) or pick another injection (--list-injections).")
     return inj
 
 
