@@ -75,10 +75,10 @@ def _acts(x: _Layout) -> _Acts:
         ffn = _moe_saved(x, n, path) + (y2 if path != "autocast" else 0)
         _, Sk = _moe_slots(x, n)
         prod = Sk * x.F * c
-        # Experts.forward indexes w[e] per expert: each SelectBackward returns a zero-filled [El, D, F] gradient
-        # that is summed into the running one (three params: w1, w3, w2), two more in flight (measured)
+        # Experts.forward (CPU loop) takes unbind views of the stacked weights: the El [D, F] slice gradients
+        # live until UnbindBackward stacks them into one [El, D, F] tensor (both at once: 2 per weight)
         El = x.E // x.ep
-        ffn_bwd = 5 * El * D * x.F * (2 if path == "mp" else 4) + 3 * (Sk // El) * x.F * c
+        ffn_bwd = 2 * El * D * x.F * (2 if path == "mp" else 4) + 3 * (Sk // El) * x.F * c
     else:
         ffn = y2 + n * 4 * Fl * c
         prod = n * Fl * c
