@@ -71,6 +71,27 @@ def dp_cp_mesh(mesh):
     return mesh["dp", "cp"]._flatten("dp_cp")
 
 
+def fsdp_mesh(mesh, dp_replicate: int = 1):
+    """The mesh FSDP2 shards over: dp x cp (1-D), or for HSDP the 2-D ("dp_replicate", "dp_shard_cp") mesh.
+
+    HSDP (Zhao et al. 2023, "PyTorch FSDP", §3.2.2 hybrid sharding; torchtitan's dp_replicate x dp_shard):
+    The dp x cp ranks are unflattened into (dp_replicate, dp_shard_cp), replicas slowest, so a shard group is
+    dp/dp_replicate consecutive dp ranks times the cp ranks: with TP (then CP) innermost in the rank order, it stays inside a
+    node when tp * cp * dp_shard <= gpus_per_node. FSDP2 given a 2-D mesh replicates on dim 0 and shards on dim 1:
+    all-gather / reduce-scatter inside the shard group, then an all-reduce of the gradient shards across the
+    replicas. Cached on `mesh`; every rank must call it in the same order (it creates process groups).
+    """
+    if dp_replicate == 1:
+        return dp_cp_mesh(mesh)
+    cache = mesh.__dict__.setdefault("_curry_fsdp_meshes", {})
+    if dp_replicate not in cache:
+        flat = dp_cp_mesh(mesh)  # dp-major, cp-minor: index dp_i * cp + cp_i
+        n = flat.size()
+        cache[dp_replicate] = flat._unflatten("dp_cp", (dp_replicate, n // dp_replicate),
+                                              ("dp_replicate", "dp_shard_cp"))
+    return cache[dp_replicate]
+
+
 def ep_meshes(mesh, ep: int):
     """(ep mesh, edp_cp mesh) for expert parallelism, carved from the dp axis (cached on `mesh`).
 

@@ -45,6 +45,12 @@ class _Layout:
     budget_gib: float
     has_z: bool
     has_aux: bool
+    dpr: int = 1  # HSDP replicas (parallel.dp_replicate): FSDP shards over dpcp / dpr ranks
+
+    @property
+    def shard(self) -> int:
+        """Ranks a dense parameter is FSDP-sharded over: dp*cp, or dp*cp/dp_replicate under HSDP."""
+        return self.dpcp // self.dpr
 
     @property
     def Dh(self) -> int:
@@ -86,7 +92,7 @@ def _layout(cfg: Config) -> _Layout:
                    b=t.micro_batch, dp=p.dp, zero=p.zero, recompute=p.recompute, tp=p.tp, sp=p.sp, pp=p.pp,
                    schedule=p.pp_schedule, v=p.pp_virtual, ep=p.ep, cp=p.cp, dtype=t.dtype, device=device,
                    gpn=h.gpus_per_node, nodes=h.nodes, budget_gib=h.gpu_memory_gib,
-                   has_z=m.z_loss_coef > 0, has_aux=m.aux_loss_coef > 0)
+                   has_z=m.z_loss_coef > 0, has_aux=m.aux_loss_coef > 0, dpr=p.dp_replicate)
 
 
 # One parameter tensor as one rank holds it before FSDP: (dim0, rest, global numel, fsdp group size kind)
