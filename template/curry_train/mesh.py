@@ -58,6 +58,26 @@ def device_type(cfg: Config) -> str:
     return cfg.hardware.device
 
 
+def node_layout(topo: Topology, cfg: Config, local_world: int) -> list[str]:
+    """What is wrong with this rank order on nodes of `local_world` ranks (torchrun's LOCAL_WORLD_SIZE): errors
+    (TP, then CP, must sit inside a node; torchrun numbers ranks node by node, and tp is the fastest axis of the
+    rank order) and warnings (hardware.gpus_per_node is what the estimator priced the links with). Empty on one
+    node."""
+    if local_world <= 0 or topo.world_size <= local_world:
+        return []
+    out = []
+    if local_world % topo.tp:
+        out.append(f"error: parallel.tp={topo.tp} does not divide the {local_world} ranks per node "
+                   "(LOCAL_WORLD_SIZE): TP groups would straddle nodes; use a tp that divides gpus per node")
+    elif topo.cp > 1 and local_world % (topo.tp * topo.cp):
+        out.append(f"warning: tp*cp={topo.tp * topo.cp} does not divide the {local_world} ranks per node: "
+                   "context-parallel rings cross nodes")
+    if cfg.hardware.gpus_per_node != local_world:
+        out.append(f"warning: hardware.gpus_per_node={cfg.hardware.gpus_per_node} but the launcher started "
+                   f"{local_world} ranks per node: the estimate priced intra/inter-node links for another layout")
+    return out
+
+
 def build_mesh(topo: Topology, device: str):
     """4-D DeviceMesh named ("pp", "dp", "cp", "tp"); every rank must call it (it creates every sub-group)."""
     from torch.distributed.device_mesh import init_device_mesh

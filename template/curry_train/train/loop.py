@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from curry_train.config import Config, ConfigError, load_config, parse_sets
-from curry_train.mesh import Topology, build_mesh, device_type
+from curry_train.mesh import Topology, build_mesh, device_type, node_layout
 from curry_train.model.data import global_batch, rank_micro_batches
 from curry_train.model.gpt import aux_loss, build_meta_model, lm_loss
 from curry_train.parallel.parallelize import Parallelized, grad_reduce_group, parallelize
@@ -59,6 +59,11 @@ def setup(cfg: Config, device: torch.device | None = None, *, model_hook=None) -
             f"world size {world} != dp*tp*pp*cp = {topo.world_size}; launch with --nproc-per-node {topo.world_size}"
         )
     device = device or torch.device(device_type(cfg))
+    for problem in node_layout(topo, cfg, int(os.environ.get("LOCAL_WORLD_SIZE", "0"))):  # multi-node only
+        if problem.startswith("error"):
+            raise ValueError(problem)
+        if rank() == 0:
+            print(problem, file=sys.stderr)
     mesh = build_mesh(topo, device.type) if world > 1 else None
     model = build_meta_model(cfg)
     if model_hook is not None:
