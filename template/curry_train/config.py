@@ -67,6 +67,8 @@ class DataConfig(_Section):
 
 class ParallelConfig(_Section):
     dp: int = Field(1, ge=1, description="Data-parallel ranks.")
+    dp_replicate: int = Field(1, ge=1, description="HSDP: replicate over this many groups of dp/dp_replicate "
+                                                   "FSDP-sharded ranks (zero >= 2; divides dp); 1 = plain FSDP.")
     zero: Literal[0, 1, 2, 3] = Field(
         0, description="0 = DDP, 1 = optimizer-state sharding, 2 = + gradient sharding, 3 = + parameter sharding."
     )
@@ -208,6 +210,18 @@ def check(cfg: Config) -> list[Problem]:
     if p.cp > 1 and p.sp:
         bad(["parallel.cp", "parallel.sp"], "context parallel and sequence parallel both shard the sequence",
             "use parallel.sp=false with cp > 1")
+    if p.dp_replicate > 1:
+        if p.dp % p.dp_replicate:
+            bad(["parallel.dp_replicate", "parallel.dp"], f"dp_replicate={p.dp_replicate} does not divide "
+                f"dp={p.dp} (HSDP splits the dp ranks into replica groups of equal size)",
+                f"use dp_replicate in {_divisors(p.dp)}")
+        if p.zero < 2:
+            bad(["parallel.dp_replicate", "parallel.zero"], f"dp_replicate={p.dp_replicate} needs sharded "
+                f"parameters (HSDP = FSDP inside a group, replicas across groups), but zero={p.zero}",
+                "set parallel.zero=2 or 3, or parallel.dp_replicate=1")
+        if m.num_experts and p.ep > 1:
+            bad(["parallel.dp_replicate", "parallel.ep"], "HSDP with expert parallel is not supported (experts "
+                "are sharded over their own expert-data-parallel group)", "use parallel.dp_replicate=1 with ep")
     if t.global_batch % (p.dp * t.micro_batch):
         bad(["train.global_batch", "parallel.dp", "train.micro_batch"],
             f"global_batch={t.global_batch} is not divisible by dp*micro_batch={p.dp * t.micro_batch}",

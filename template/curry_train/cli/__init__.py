@@ -48,7 +48,8 @@ def _cmd_train(a: argparse.Namespace) -> int:
     from curry_train.config import parse_sets
     from curry_train.measure import service
 
-    rec = service.train(a.config, parse_sets(a.set), root=a.root, timeout=a.timeout)
+    rec = service.train(a.config, parse_sets(a.set), root=a.root, timeout=a.timeout,
+                        checkpoint_dir=a.checkpoint_dir, save_every=a.save_every, resume=a.resume)
     m = rec.metrics
     emit(rec, a.json, lambda r: (f"run {r.run_id}: {r.config['parallel']} world={m['world_size']}\n"
                                  f"loss {m['first_loss']:.4f} -> {m['last_loss']:.4f} over {len(m['losses'])} steps; "
@@ -143,6 +144,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="train a config on dp*tp*pp*cp ranks through torchrun")
     add_config_args(p)
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds before every rank is killed")
+    p.add_argument("--checkpoint-dir", default=None, help="save checkpoints here (step-NNNNNN folders, DCP)")
+    p.add_argument("--save-every", type=int, default=0, help="save after every N optimizer steps")
+    p.add_argument("--resume", default=None, help="continue from this checkpoint (folder or step-NNNNNN); the "
+                   "layout may differ from the one that saved it")
     p.set_defaults(fn=_cmd_train)
 
     p = sub.add_parser("whitebox", help="prove the parallel run matches the single-device reference",

@@ -109,10 +109,15 @@ def _comm(x: _Layout, hw: HardwareProfile, t_compute: float) -> list[CommItem]:
         if x.pp > 1:
             ag_per_mb = 1
         n_units = layers + 1
-        add("fsdp", "all_gather", x.dpcp, units * ag_per_mb * m, n_units * ag_per_mb * m, dp_link,
+        # HSDP (x.dpr > 1): all-gather and reduce-scatter inside the shard group (mesh.fsdp_mesh: consecutive
+        # ranks, inside a node when shard * tp fits), then each gradient shard all-reduced across the replicas
+        shard_link = _span_link(x, x.shard, x.tp)
+        add("fsdp", "all_gather", x.shard, units * ag_per_mb * m, n_units * ag_per_mb * m, shard_link,
             t_compute * 0.9)
         rs = 1 if x.pp > 1 else m  # every micro-step (parallelize._grad_sync_fn), once per step under PP
-        add("fsdp", "reduce_scatter", x.dpcp, 4 * units // cb * rs, n_units * rs, dp_link, t_bwd * 0.9)
+        add("fsdp", "reduce_scatter", x.shard, 4 * units // cb * rs, n_units * rs, shard_link, t_bwd * 0.9)
+        if x.dpr > 1:
+            add("hsdp", "all_reduce", x.dpr, 4 * units // cb // x.shard * rs, n_units * rs, dp_link, t_bwd * 0.9)
     if x.tp > 1:
         # tensor_parallel.py: one `f` (identity / all-gather under SP) and one `g` (all-reduce / reduce-scatter)
         # per attention and per MLP sub-block, forward and backward: 4 all-reduces of [b, T, D] per layer per

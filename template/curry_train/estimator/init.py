@@ -35,7 +35,7 @@ def init_peak(x: _Layout, pp_rank: int = 0) -> int:
     def chunk(tn: _Tensor) -> int:
         d0, r, _, kind = tn
         if x.fsdp:
-            group = edp if (kind == "expert" and x.ep > 1) else x.dpcp
+            group = edp if (kind == "expert" and x.ep > 1) else x.shard
             return -(-d0 // group) * r
         return d0 * r if dtensor else 0
 

@@ -60,8 +60,8 @@ def _states_cached(x: _Layout, stages: tuple[int, ...]) -> _States:
     cbytes = 2 if x.path == "mp" else 4
     edp = (x.dp // x.ep) * x.cp
 
-    def group(tn: _Tensor) -> int:
-        return edp if (tn[3] == "expert" and x.ep > 1) else x.dpcp
+    def group(tn: _Tensor) -> int:  # HSDP shards dense tensors over dp*cp/dp_replicate ranks (layout.shard)
+        return edp if (tn[3] == "expert" and x.ep > 1) else x.shard
 
     def shard(tn: _Tensor) -> int:  # FSDP2: dim 0 split in ceil(d0 / d) rows, rank 0 holds the most
         g = group(tn)

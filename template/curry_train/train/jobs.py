@@ -24,7 +24,8 @@ def train_job(spec: dict[str, Any]) -> dict[str, Any]:
     from curry_train.config import from_dict
     from curry_train.train.loop import run_training
 
-    return run_training(from_dict(spec["config"]))
+    return run_training(from_dict(spec["config"]), checkpoint_dir=spec.get("checkpoint_dir"),
+                        save_every=int(spec.get("save_every") or 0), resume=spec.get("resume"))
 
 
 def selftest_job(spec: dict[str, Any]) -> dict[str, Any]:

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from curry_train.config import Config, ConfigError, load_config, parse_sets
-from curry_train.mesh import Topology, build_mesh, device_type
+from curry_train.mesh import Topology, build_mesh, device_type, node_layout
 from curry_train.model.data import global_batch, rank_micro_batches
 from curry_train.model.gpt import aux_loss, build_meta_model, lm_loss
 from curry_train.parallel.parallelize import Parallelized, grad_reduce_group, parallelize
@@ -59,6 +59,11 @@ def setup(cfg: Config, device: torch.device | None = None, *, model_hook=None) -
             f"world size {world} != dp*tp*pp*cp = {topo.world_size}; launch with --nproc-per-node {topo.world_size}"
         )
     device = device or torch.device(device_type(cfg))
+    for problem in node_layout(topo, cfg, int(os.environ.get("LOCAL_WORLD_SIZE", "0"))):  # multi-node only
+        if problem.startswith("error"):
+            raise ValueError(problem)
+        if rank() == 0:
+            print(problem, file=sys.stderr)
     mesh = build_mesh(topo, device.type) if world > 1 else None
     model = build_meta_model(cfg)
     if model_hook is not None:
@@ -124,18 +129,29 @@ def train_step(par: Parallelized, step: int) -> StepResult:
     return StepResult(loss=float(loss), step_time_s=dt, tokens_per_s=tokens / dt)
 
 
-def run_training(cfg: Config, *, log=None) -> dict[str, Any]:
-    """Train for cfg.train.steps steps in this process group; returns losses and timings (same on all ranks)."""
+def run_training(cfg: Config, *, log=None, checkpoint_dir: str | None = None, save_every: int = 0,
+                 resume: str | None = None) -> dict[str, Any]:
+    """Train steps [start, cfg.train.steps) in this process group; returns losses and timings (same on all ranks).
+
+    `resume`: a checkpoint (any layout) to continue from, start = its step; `checkpoint_dir` + `save_every`:
+    save after every save_every-th optimizer step (train/checkpoint.py, atomic, never overwriting).
+    """
+    from curry_train.train import checkpoint
+
     device = init_distributed(cfg)
     par = setup(cfg, device)
+    start = checkpoint.load(par, resume) if resume else 0
     history = []
-    for step in range(cfg.train.steps):
+    for step in range(start, cfg.train.steps):
         r = train_step(par, step)
         history.append(r)
         if log is not None and rank() == 0:
             log({"step": step, "loss": round(r.loss, 6), "step_time_s": round(r.step_time_s, 5),
                  "tokens_per_s": round(r.tokens_per_s, 1)})
+        if checkpoint_dir and save_every and (step + 1) % save_every == 0:
+            checkpoint.save(par, checkpoint_dir, step + 1)
     return {
+        "start_step": start,
         "losses": [r.loss for r in history],
         "step_time_s": [r.step_time_s for r in history],
         "tokens_per_s": [r.tokens_per_s for r in history],
@@ -148,13 +164,17 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="Train the GPT template (run under torchrun for several ranks).")
     ap.add_argument("--config", required=True, help="path to a YAML config, e.g. configs/tiny.yaml")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="dotted override")
+    ap.add_argument("--checkpoint-dir", default=None, help="save checkpoints (step-NNNNNN folders) here")
+    ap.add_argument("--save-every", type=int, default=0, help="save after every N optimizer steps")
+    ap.add_argument("--resume", default=None, help="continue from this checkpoint (any layout)")
     a = ap.parse_args(argv)
     try:
         cfg = load_config(a.config, parse_sets(a.set))
     except ConfigError as e:
         print(e, file=sys.stderr)
         return 2
-    out = run_training(cfg, log=lambda rec: print(json.dumps(rec), file=sys.stderr, flush=True))
+    out = run_training(cfg, log=lambda rec: print(json.dumps(rec), file=sys.stderr, flush=True),
+                       checkpoint_dir=a.checkpoint_dir, save_every=a.save_every, resume=a.resume)
     is_rank0 = rank() == 0
     if dist.is_initialized():
         import gc
