@@ -1,5 +1,7 @@
-"""GPU figures, one prepared script (< 8 min on one H200): template MFU for a ~1B dense model in bf16, and the
-estimator's per-rank total vs torch.cuda.max_memory_allocated for 6 single-GPU configs.
+"""GPU figures, one prepared script (< 8 min on one H200): template MFU for a ~1B dense model in bf16, the
+estimator's per-rank total vs torch.cuda.max_memory_allocated for 6 single-GPU configs, and a 2-GPU white-box
+(tiny, dp=2 on two GPUs through torchrun and NCCL against the reference on one GPU, TF32 off; plus one planted bug
+that must fail) when two GPUs exist; otherwise it prints "white-box: skipped: 1 GPU".
 
     .venv/bin/python benchmarks/gpu.py                # on a machine with a CUDA GPU
     .venv/bin/python benchmarks/gpu.py --smoke        # CPU smoke run of the same code paths (tiny sizes)
@@ -82,6 +84,34 @@ def memory_run(base: dict, cases: dict) -> dict:
     return out
 
 
+def whitebox_run(smoke: bool) -> dict:
+    """2-rank white-box on CUDA (validation/compare.py states the GPU tolerances); skipped below 2 GPUs. --smoke
+    runs the same path on CPU ranks."""
+    import tempfile
+
+    import torch
+    from curry_train.config import load_config
+    from curry_train.validation.whitebox import run_whitebox
+
+    gpus = torch.cuda.device_count()
+    if gpus < 2 and not smoke:
+        print(f"white-box: skipped: {gpus} GPU", flush=True)
+        return {"skipped": f"{gpus} GPU"}
+    device = "cpu" if smoke else "cuda"
+    out = {}
+    for label, inject in (("clean", None), ("data-same-rows", "data-same-rows")):
+        cfg = load_config(REPO / "configs/tiny.yaml", {"parallel.dp": 2, "hardware.device": device})
+        with tempfile.TemporaryDirectory() as d:
+            v = run_whitebox(cfg, steps=2, run_dir=Path(d), timeout=300, inject=inject)
+        w = v.worst_parameter
+        out[label] = {"passed": v.passed, "wall_s": round(v.wall_s, 1), "loss_max_diff": v.loss_max_diff,
+                      "worst": w and {"name": w.name, "measured": w.measured, "allowed": w.allowed}}
+        print(f"white-box {label:15s} {'PASSED' if v.passed else 'FAILED'} in {v.wall_s:.1f} s; worst "
+              f"{w and w.name} {w and w.measured:.2e} (allowed {w and w.allowed:.2e})", flush=True)
+    out["ok"] = out["clean"]["passed"] and not out["data-same-rows"]["passed"]
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU: checks the script, not the GPU")
@@ -94,7 +124,8 @@ def main() -> None:
     print(f"MFU run: {mfu}", flush=True)
     mem = memory_run(half_b, MEMORY_CASES)
     errors = [abs(v["error"]) for v in mem.values()]
-    print(json.dumps({"smoke": a.smoke, "mfu": mfu, "memory": mem, "max_abs_memory_error": max(errors),
+    wb = whitebox_run(a.smoke)
+    print(json.dumps({"smoke": a.smoke, "mfu": mfu, "memory": mem, "max_abs_memory_error": max(errors), "whitebox": wb,
                       "goals": {"mfu": 0.45, "memory_error": 0.05}, "wall_s": round(time.perf_counter() - t0, 1)}))
 
 

@@ -20,7 +20,7 @@ CONVERSATIONS_DIR = Path(__file__).resolve().parent / "conversations"
 TOOLS = {
     "probe_hardware": {"measure"},
     "bench": {"config", "steps", "warmup", "overrides"},
-    "whitebox_compare": {"config", "steps", "overrides"},
+    "whitebox_compare": {"config", "steps", "overrides", "inject"},
     "update_config": {"name", "changes", "base"},
     "runs_diff": {"run_a", "run_b"},
     "estimate_memory": {"config", "overrides"},

@@ -16,6 +16,7 @@ from curry_train.measure.hardware import HardwareReport
 from curry_train.paths import UnsafeName, check_name
 from curry_train.store.configs import ConfigUpdate
 from curry_train.store.runs import RunsDiff
+from curry_train.validation.inject import CATALOGUE as INJECTIONS
 from curry_train.validation.verdict import Verdict as WhiteboxVerdict
 from mcp.server.mcpserver import Context
 from mcp.server.mcpserver.exceptions import ToolError
@@ -90,18 +91,32 @@ async def bench(
 async def whitebox_compare(
     config: ConfigName,
     ctx: Context,
-    steps: Annotated[int, Field(ge=1, le=50, description="Optimizer steps to compare.")] = 1,
+    steps: Annotated[int, Field(ge=1, le=50, description="Optimizer steps to compare (2 also exercises the "
+                                                         "optimizer state).")] = 2,
     overrides: Overrides = {},  # noqa: B006
     timeout_s: TimeoutS = 900.0,
+    inject: Annotated[str | None, Field(description="Plant one known bug in the parallel run only, to demonstrate "
+                                                    "that the check catches it (the verdict must fail): "
+                                                    + ", ".join(INJECTIONS) + ". Each needs its layout, e.g. "
+                                                    "data-same-rows needs parallel.dp >= 2.")] = None,
 ) -> WhiteboxVerdict:
     """Prove a parallel layout computes what one device computes: runs the config on its ranks and a single-process
-    reference from the same seed and batch, then compares the loss, every gradient (gathered to full shape) and
-    every parameter after the update. Returns passed/failed, the worst parameter and the first diverging layer.
-    Run it after every primitive you add, before trusting its speed or memory numbers. Runs on this machine:
-    configs it cannot run are refused before launching, as bench does."""
+    reference from the same seed and data, then compares the loss, every gradient (gathered to full shape) and
+    every rank's parameters after each update. Returns passed/failed, the worst parameter, the first diverging
+    layer and any diverging rank. Run it after every primitive you add, before trusting its speed or memory
+    numbers; with `inject` it demonstrates a failure on purpose. Runs on this machine: configs it cannot run are
+    refused before launching, as bench does."""
     _validate(config, overrides)
+    if inject is not None:
+        from curry_train.measure.service import resolve
+        from curry_train.validation.inject import InjectionError, check
+
+        try:
+            check(inject, resolve(config, overrides, root())[0])
+        except InjectionError as e:
+            raise tool_error(e) from None
     _preflight(config, overrides)
-    out = await _long("whitebox", {"config": config, "steps": steps, "overrides": overrides}, ctx,
+    out = await _long("whitebox", {"config": config, "steps": steps, "overrides": overrides, "inject": inject}, ctx,
                       deadline_s=timeout_s, label="whitebox_compare")
     return WhiteboxVerdict.model_validate(out)
 

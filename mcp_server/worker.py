@@ -37,8 +37,8 @@ def _whitebox(args: dict[str, Any], cancel: threading.Event, say: Say, root: str
     from curry_train.measure import service
 
     say(f"launching the parallel run and the single-device reference for {args['config']}")
-    v = service.whitebox(args["config"], args.get("overrides") or {}, steps=args.get("steps", 1), root=root,
-                         timeout=args.get("timeout", 900.0), cancel=cancel)
+    v = service.whitebox(args["config"], args.get("overrides") or {}, steps=args.get("steps", 2), root=root,
+                         timeout=args.get("timeout", 900.0), cancel=cancel, inject=args.get("inject"))
     return v.model_dump(mode="json")
 
 

@@ -35,7 +35,7 @@ EXPECTED_SKILLS = {
 TOOLS: dict[str, tuple[set[str] | None, set[str]]] = {
     "probe_hardware": ({"measure"}, set()),
     "bench": ({"config", "steps", "warmup", "overrides"}, {"config"}),
-    "whitebox_compare": ({"config", "steps", "overrides"}, {"config"}),
+    "whitebox_compare": ({"config", "steps", "overrides", "inject"}, {"config"}),
     "update_config": ({"name", "changes", "base"}, {"name", "changes"}),
     "runs_diff": ({"run_a", "run_b"}, {"run_a", "run_b"}),
     "estimate_memory": ({"config", "overrides"}, {"config"}),

@@ -19,7 +19,9 @@ ROOTS = {"curry_train": REPO / "template" / "curry_train", "curry_train_mcp": RE
 
 # Lowest first. A module may import its own layer and the layers below it, never one above.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("contract", ("curry_train", "curry_train.config", "curry_train.rules", "curry_train.paths", "curry_train.mesh")),
+    ("contract", ("curry_train", "curry_train.config", "curry_train.rules", "curry_train.paths", "curry_train.mesh",
+                  "curry_train.pipeline_split", "curry_train.compat", "curry_train.breakdown",
+                  "curry_train.layout_warnings")),
     ("template", ("curry_train.model", "curry_train.parallel", "curry_train.train", "curry_train.validation")),
     ("estimator", ("curry_train.estimator",)),
     ("advice", ("curry_train.advice",)),

@@ -43,7 +43,8 @@ def fake_runs(monkeypatch):
             estimate=EstimateSide(**{k: getattr(est, k) for k in ("params", "grads", "optimizer", "activations",
                                                                  "other", "total")}), wall_s=0.1)
 
-    def fake_whitebox(name, overrides=None, *, steps=1, root=None, timeout=0, cancel=None, break_grad_sync=None):
+    def fake_whitebox(name, overrides=None, *, steps=2, root=None, timeout=0, cancel=None, inject=None):
+        assert steps == 2  # the climb proves two updates per rung (optimizer bugs show in the second)
         cfg, _ = service.resolve(name, overrides, root)
         calls["whitebox"].append(cfg.parallel.model_dump())
         return SimpleNamespace(passed=cfg.parallel.model_dump() not in broken, run_id=f"wb-{len(calls['whitebox'])}")

@@ -34,6 +34,21 @@ def test_tiny_moe_accepts_expert_parallel_layouts():
         assert load_config(PRESETS / "tiny-moe.yaml", o).model.num_experts == 4
 
 
+def test_pp_layers_errors_say_what_is_wrong_and_the_fix():
+    _, text = _fields({"parallel.pp": 2, "parallel.pp_layers": [3, 2]})
+    assert "sums to 5, not n_layers=4" in text and "2 positive layer counts summing to 4" in text
+    _, text = _fields({"parallel.pp": 2, "parallel.pp_layers": [4, 0]})
+    assert "a stage with no layer" in text
+    assert load_config(TINY, {"parallel.pp": 2, "parallel.pp_layers": [3, 1]}).parallel.pp_layers == [3, 1]
+
+
+def test_ep_that_does_not_divide_num_experts_is_refused_with_a_fix():
+    with pytest.raises(ConfigError) as e:
+        load_config(PRESETS / "tiny-moe.yaml", {"parallel.dp": 3, "parallel.ep": 3,
+                                                          "train.global_batch": 12})
+    assert any("model.num_experts" in p.fields and "use ep in [1, 2, 4]" in p.fix for p in e.value.problems)
+
+
 def _fields(overrides):
     with pytest.raises(ConfigError) as e:
         load_config(TINY, overrides)
@@ -47,7 +62,10 @@ def test_tp_that_does_not_divide_heads_names_both_fields_and_a_fix():
 
 
 @pytest.mark.parametrize("overrides,expected", [
-    ({"parallel.pp": 3}, "model.n_layers"),
+    ({"parallel.pp": 5}, "model.n_layers"),  # 4 layers cannot fill 5 stages (uneven splits are fine)
+    ({"parallel.pp": 2, "parallel.pp_layers": [3, 2]}, "parallel.pp_layers"),  # sums to 5, not n_layers=4
+    ({"parallel.pp": 2, "parallel.pp_layers": [4, 0]}, "parallel.pp_layers"),  # a stage with no layer
+    ({"parallel.pp": 2, "parallel.pp_layers": [1, 1, 2]}, "parallel.pp_layers"),  # 3 entries for 2 stages
     ({"parallel.cp": 3}, "train.seq_len"),
     ({"parallel.dp": 3}, "train.global_batch"),
     ({"parallel.ep": 2}, "model.num_experts"),

@@ -69,7 +69,8 @@ async def test_contract_argument_names_and_defaults(client):
     assert props["probe_hardware"]["measure"]["default"] is False
     assert {k: props["bench"][k]["default"] for k in ("steps", "warmup", "overrides")} == \
         {"steps": 5, "warmup": 1, "overrides": {}}
-    assert props["whitebox_compare"]["steps"]["default"] == 1
+    assert props["whitebox_compare"]["steps"]["default"] == 2
+    assert props["whitebox_compare"]["inject"]["default"] is None
     assert tools["update_config"]["required"] == ["name", "changes"]
     assert set(tools["runs_diff"]["required"]) == {"run_a", "run_b"}
     assert tools["bench"]["required"] == ["config"]
@@ -121,6 +122,16 @@ async def test_unknown_config_lists_the_available_ones(client):
     for tool in ("bench", "whitebox_compare"):
         r = await client.call_tool(tool, {"config": "nope"})
         assert r.is_error and "tiny" in _text(r) and "tiny-moe" in _text(r), _text(r)
+
+
+@pytest.mark.anyio
+async def test_whitebox_injection_that_cannot_apply_fails_before_any_process_starts(client, project):
+    r = await client.call_tool("whitebox_compare", {"config": "tiny", "inject": "nope"})
+    assert r.is_error and "data-same-rows" in _text(r) and "replica-lr" in _text(r), _text(r)
+    r = await client.call_tool("whitebox_compare", {"config": "tiny", "inject": "ep-expert-unreduced",
+                                                    "overrides": {"parallel.dp": 2}})
+    assert r.is_error and "dense" in _text(r), _text(r)
+    assert not (project / "runs" / "ledger.sqlite3").exists()  # nothing recorded, nothing launched
 
 
 @pytest.mark.anyio

@@ -17,7 +17,8 @@ from curry_train.advice.advisor import recommend_next
 from curry_train.config import from_dict
 from curry_train.estimator import _layout
 from curry_train.estimator import stage_ids as estimator_stage_ids
-from curry_train.rules import ANTI_PATTERN_RULES, anti_patterns, pipeline_stage_ids, stage_layers
+from curry_train.pipeline_split import layers_per_stage, pipeline_stage_ids, stage_layer_range
+from curry_train.rules import ANTI_PATTERN_RULES, anti_patterns
 
 REPO = Path(__file__).resolve().parents[1]
 INTRO = REPO / "skills" / "stage4-parallel-primitive-intro" / "SKILL.md"
@@ -97,7 +98,9 @@ def test_the_pipeline_split_is_one_function(pp, v, schedule):
     held = [pipeline_stage_ids(pp, v, schedule, r) for r in range(pp)]
     assert held == [estimator_stage_ids(x, r) for r in range(pp)]
     assert sorted(s for h in held for s in h) == list(range(pp * v))  # every stage exactly once
-    layers = [layer for s in range(pp * v) for layer in stage_layers(s, 16, pp * v)]
+    counts = layers_per_stage(n_layers=16, pp=pp, pp_virtual=v, pp_layers=None, d_model=64, n_heads=8, n_kv_heads=4,
+                              d_ff=128, vocab_size=256, seq_len=32, num_experts=0, top_k=1)
+    layers = [layer for s in range(pp * v) for layer in stage_layer_range(counts, s)]
     assert layers == list(range(16))
     if schedule == "zero_bubble" and v == 2:
         assert held[0] == [0, 2 * pp - 1]  # the V: rank 0 holds the first and the last stage

@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from curry_train.config import load_config
-from curry_train.validation.whitebox import whitebox_batch
+from curry_train.validation.compare import compare
+from curry_train.validation.whitebox import checksum, whitebox_batch
 
 from tests.conftest import PRESETS
 
 TINY = PRESETS / "tiny.yaml"
-pytestmark = pytest.mark.multirank
 
 
+@pytest.mark.multirank
 def test_ddp_two_ranks_matches_reference_over_accumulation_layouts(tmp_path):
     cfgs = [load_config(TINY, o) for o in (
         {"parallel.dp": 2},                             # 2 micro-batches per rank
@@ -25,18 +27,50 @@ def test_ddp_two_ranks_matches_reference_over_accumulation_layouts(tmp_path):
         assert v.passed, v.failures
         assert v.loss_max_diff <= (2e-2 if "loss_rtol" in v.tolerance and v.tolerance["loss_rtol"] > 1e-4 else 1e-5)
         assert v.n_params_compared == 39
+        assert v.n_replica_copies == 2 * 39  # both ranks' copies of every parameter were checked
+        assert v.steps == 2 and len(v.losses_parallel) == 2
         assert v.losses_parallel[1] < v.losses_parallel[0] + 1.0  # two real steps were taken
 
 
+@pytest.mark.multirank
 def test_ddp_four_ranks_matches_reference(tmp_path):
     (v,) = whitebox_batch([load_config(TINY, {"parallel.dp": 4})], steps=2, out_dir=tmp_path)
     assert v.passed, v.failures
 
 
+@pytest.mark.multirank
 def test_an_unreduced_gradient_fails_and_names_the_parameter_and_layer(tmp_path):
-    broken = "layers.2.feed_forward.w1.weight"
-    (v,) = whitebox_batch([load_config(TINY, {"parallel.dp": 2})], out_dir=tmp_path, break_grad_sync=[broken])
+    broken = "layers.1.attention.wv.weight"
+    (v,) = whitebox_batch([load_config(TINY, {"parallel.dp": 2})], out_dir=tmp_path, inject="ddp-unreduced-grad",
+                          inject_target=broken)
     assert not v.passed
-    assert v.worst_parameter.name.endswith(broken)
-    assert v.first_diverging_layer == "layers.2"
+    assert v.worst_parameter.name == f"grad[step 0] {broken}"
+    assert v.first_diverging_layer == "layers.1"
     assert any(broken in f for f in v.failures)
+
+
+def _fake(steps: int) -> dict:
+    p = {"w": torch.ones(3)}
+    return {"losses": [1.0] * steps, "grads": [p] * steps, "params": [p] * steps, "params_before": p,
+            "replicas": [{}] * steps, "holders": [{"w": 1}] * steps}
+
+
+@pytest.mark.parametrize("steps", [0, -1])
+def test_a_verdict_that_compared_nothing_never_passes(steps):
+    v = compare(load_config(TINY), _fake(0), _fake(0), steps)
+    assert not v.passed and "compared nothing" in v.failures[0]
+
+
+def test_a_step_missing_on_one_side_fails():
+    v = compare(load_config(TINY), _fake(2), _fake(1), 2)
+    assert not v.passed and "compared nothing" in " ".join(v.failures)
+
+
+def test_checksum_sees_one_flipped_bit_and_a_swap():
+    t = torch.randn(1000)
+    u = t.clone()
+    u.view(torch.int32)[17] ^= 1
+    assert checksum(u) != checksum(t)
+    s = t.clone()
+    s[[3, 4]] = s[[4, 3]]
+    assert checksum(s) != checksum(t) and checksum(t.clone()) == checksum(t)

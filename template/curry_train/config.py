@@ -2,7 +2,7 @@
 
     python -m curry_train.config configs/tiny.yaml --set parallel.dp=2     # validate and print the resolved config
 
-A config is four sections (model, train, parallel, hardware) of pydantic models. Unknown keys are errors, and
+A config is five sections (model, train, parallel, hardware, data) of pydantic models. Unknown keys are errors, and
 `validate_config` checks every cross-field rule (divisibility, world size, micro-batches) *before* any process
 starts; each problem names the field(s), the values and the fix. Precedence: dotted overrides > file > defaults.
 """
@@ -27,7 +27,7 @@ class _Section(BaseModel):
 class ModelConfig(_Section):
     vocab_size: int = Field(256, ge=2, description="Vocabulary size (divisible by parallel.tp).")
     d_model: int = Field(64, ge=1, description="Hidden size h.")
-    n_layers: int = Field(4, ge=1, description="Transformer blocks L (divisible by parallel.pp * pp_virtual).")
+    n_layers: int = Field(4, ge=1, description="Transformer blocks L (at least parallel.pp * pp_virtual).")
     n_heads: int = Field(8, ge=1, description="Query heads a (divisible by parallel.tp; d_model % n_heads == 0).")
     n_kv_heads: int = Field(4, ge=1, description="Key/value heads g for GQA (divides n_heads; divisible by tp).")
     d_ff: int = Field(128, ge=1, description="SwiGLU hidden size f (per expert when num_experts > 0).")
@@ -53,10 +53,22 @@ class TrainConfig(_Section):
         "float32", description="Compute dtype; master params, grads and optimizer state stay fp32."
     )
     seed: int = Field(0, ge=0, description="Seeds the weights and the synthetic data; layout-independent.")
+    lr_schedule: Literal["constant", "cosine"] = Field(
+        "constant", description="constant, or cosine decay to lr/10 at train.steps (after the warm-up).")
+    warmup_steps: int = Field(0, ge=0, description="Linear warm-up from lr/(warmup_steps+1) to lr over these steps.")
+    grad_clip: float = Field(0.0, ge=0.0, description="Clip the global gradient L2 norm to this value; 0 = off.")
+
+
+class DataConfig(_Section):
+    path: str | None = Field(None, description="Flat token file (nanoGPT .bin: raw uint16/uint32 ids, no header), "
+                                               "memory-mapped; None = the synthetic stream. See prepare-data.")
+    dtype: Literal["uint16", "uint32"] = Field("uint16", description="Element type of data.path's tokens.")
 
 
 class ParallelConfig(_Section):
     dp: int = Field(1, ge=1, description="Data-parallel ranks.")
+    dp_replicate: int = Field(1, ge=1, description="HSDP: replicate over this many groups of dp/dp_replicate "
+                                                   "FSDP-sharded ranks (zero >= 2; divides dp); 1 = plain FSDP.")
     zero: Literal[0, 1, 2, 3] = Field(
         0, description="0 = DDP, 1 = optimizer-state sharding, 2 = + gradient sharding, 3 = + parameter sharding."
     )
@@ -68,6 +80,9 @@ class ParallelConfig(_Section):
         "1f1b", description="Pipeline schedule; interleaved_1f1b and zero_bubble need pp_virtual >= 2."
     )
     pp_virtual: int = Field(1, ge=1, description="Model chunks (virtual stages) per pipeline rank.")
+    pp_layers: list[int] | None = Field(
+        None, description="Layers per pipeline stage, in stage order (pp*pp_virtual entries summing to n_layers); "
+        "None = split by estimated cost (pipeline_split.py).")
     ep: int = Field(1, ge=1, description="Expert-parallel ranks, carved from the dp ranks (MoE only).")
     cp: int = Field(1, ge=1, description="Context-parallel ranks (ring attention over the sequence).")
 
@@ -84,6 +99,7 @@ class Config(_Section):
     train: TrainConfig = Field(default_factory=TrainConfig)
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     hardware: HardwareConfig = Field(default_factory=HardwareConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
 
     @property
     def world_size(self) -> int:

@@ -58,6 +58,26 @@ def device_type(cfg: Config) -> str:
     return cfg.hardware.device
 
 
+def node_layout(topo: Topology, cfg: Config, local_world: int) -> list[str]:
+    """What is wrong with this rank order on nodes of `local_world` ranks (torchrun's LOCAL_WORLD_SIZE): errors
+    (TP, then CP, must sit inside a node; torchrun numbers ranks node by node, and tp is the fastest axis of the
+    rank order) and warnings (hardware.gpus_per_node is what the estimator priced the links with). Empty on one
+    node."""
+    if local_world <= 0 or topo.world_size <= local_world:
+        return []
+    out = []
+    if local_world % topo.tp:
+        out.append(f"error: parallel.tp={topo.tp} does not divide the {local_world} ranks per node "
+                   "(LOCAL_WORLD_SIZE): TP groups would straddle nodes; use a tp that divides gpus per node")
+    elif topo.cp > 1 and local_world % (topo.tp * topo.cp):
+        out.append(f"warning: tp*cp={topo.tp * topo.cp} does not divide the {local_world} ranks per node: "
+                   "context-parallel rings cross nodes")
+    if cfg.hardware.gpus_per_node != local_world:
+        out.append(f"warning: hardware.gpus_per_node={cfg.hardware.gpus_per_node} but the launcher started "
+                   f"{local_world} ranks per node: the estimate priced intra/inter-node links for another layout")
+    return out
+
+
 def build_mesh(topo: Topology, device: str):
     """4-D DeviceMesh named ("pp", "dp", "cp", "tp"); every rank must call it (it creates every sub-group)."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -69,6 +89,27 @@ def dp_cp_mesh(mesh):
     """The 1-D mesh over which gradients are averaged: data-parallel ranks and context-parallel ranks together
     (CP ranks hold different tokens of the same sequences, so their gradients are summed like DP's)."""
     return mesh["dp", "cp"]._flatten("dp_cp")
+
+
+def fsdp_mesh(mesh, dp_replicate: int = 1):
+    """The mesh FSDP2 shards over: dp x cp (1-D), or for HSDP the 2-D ("dp_replicate", "dp_shard_cp") mesh.
+
+    HSDP (Zhao et al. 2023, "PyTorch FSDP", §3.2.2 hybrid sharding; torchtitan's dp_replicate x dp_shard):
+    The dp x cp ranks are unflattened into (dp_replicate, dp_shard_cp), replicas slowest, so a shard group is
+    dp/dp_replicate consecutive dp ranks times the cp ranks: with TP (then CP) innermost in the rank order, it stays inside a
+    node when tp * cp * dp_shard <= gpus_per_node. FSDP2 given a 2-D mesh replicates on dim 0 and shards on dim 1:
+    all-gather / reduce-scatter inside the shard group, then an all-reduce of the gradient shards across the
+    replicas. Cached on `mesh`; every rank must call it in the same order (it creates process groups).
+    """
+    if dp_replicate == 1:
+        return dp_cp_mesh(mesh)
+    cache = mesh.__dict__.setdefault("_curry_fsdp_meshes", {})
+    if dp_replicate not in cache:
+        flat = dp_cp_mesh(mesh)  # dp-major, cp-minor: index dp_i * cp + cp_i
+        n = flat.size()
+        cache[dp_replicate] = flat._unflatten("dp_cp", (dp_replicate, n // dp_replicate),
+                                              ("dp_replicate", "dp_shard_cp"))
+    return cache[dp_replicate]
 
 
 def ep_meshes(mesh, ep: int):

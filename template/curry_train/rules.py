@@ -14,8 +14,8 @@ Who reads what:
   anti_patterns              any layout -> [AntiPattern(id, fields, message, fix)]; tests/test_rules.py checks
                              that the advisor's proposals carry none and that skills/stage4-parallel-primitive-intro
                              and the eval conversations list the same set.
-  pipeline_stage_ids, stage_layers
-                             parallel/pipeline.py (the real split) and estimator/pipeline.py (its model).
+  (the pipeline split lives in pipeline_split.py: stage placement and layers per stage, one function each,
+   used by parallel/pipeline.py and the estimator alike)
 
 Anti-patterns follow the stage-4 ladder (skills/stage4-parallel-primitive-intro; Ultra-Scale Playbook, Hugging
 Face 2025; Megatron-LM's context-parallel guide). A new one is one entry in `ANTI_PATTERN_RULES`: a function of the
@@ -32,6 +32,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from pydantic import BaseModel
+
+from curry_train.pipeline_split import check_pp_layers
 
 if TYPE_CHECKING:  # type hints only: config.py imports this module at runtime
     from curry_train.config import Config, ModelConfig
@@ -93,11 +95,15 @@ def check(cfg: Config) -> list[Problem]:
         bad(["train.seq_len", "parallel.tp", "parallel.sp"], f"seq_len={t.seq_len} is not divisible by tp={p.tp}",
             "with sp=true seq_len must be a multiple of tp")
     stages = p.pp * p.pp_virtual
-    if m.n_layers % stages:
+    if m.n_layers < stages:
         bad(["model.n_layers", "parallel.pp", "parallel.pp_virtual"],
-            f"n_layers={m.n_layers} does not split evenly into pp*pp_virtual={stages} stages (uneven stages leave "
-            "the pipeline waiting on the slowest one)",
-            f"use pp*pp_virtual in {divisors(m.n_layers)}")
+            f"n_layers={m.n_layers} cannot give each of pp*pp_virtual={stages} stages a layer",
+            f"use pp*pp_virtual <= {m.n_layers}")
+    else:
+        why = check_pp_layers(p.pp_layers, m.n_layers, stages)
+        if why:
+            bad(["parallel.pp_layers", "model.n_layers"], why,
+                f"give {stages} positive layer counts summing to {m.n_layers}, or drop pp_layers to split by cost")
     if p.pp_schedule in ("interleaved_1f1b", "zero_bubble") and p.pp > 1 and p.pp_virtual < 2:
         bad(["parallel.pp_schedule", "parallel.pp_virtual"], f"{p.pp_schedule} needs pp_virtual >= 2 chunks per rank",
             "set parallel.pp_virtual=2, or use pp_schedule=1f1b")
@@ -127,6 +133,18 @@ def check(cfg: Config) -> list[Problem]:
     if p.cp > 1 and p.sp:
         bad(["parallel.cp", "parallel.sp"], "context parallel and sequence parallel both shard the sequence",
             "use parallel.sp=false with cp > 1")
+    if p.dp_replicate > 1:
+        if p.dp % p.dp_replicate:
+            bad(["parallel.dp_replicate", "parallel.dp"], f"dp_replicate={p.dp_replicate} does not divide "
+                f"dp={p.dp} (HSDP splits the dp ranks into replica groups of equal size)",
+                f"use dp_replicate in {divisors(p.dp)}")
+        if p.zero < 2:
+            bad(["parallel.dp_replicate", "parallel.zero"], f"dp_replicate={p.dp_replicate} needs sharded "
+                f"parameters (HSDP = FSDP inside a group, replicas across groups), but zero={p.zero}",
+                "set parallel.zero=2 or 3, or parallel.dp_replicate=1")
+        if m.num_experts and p.ep > 1:
+            bad(["parallel.dp_replicate", "parallel.ep"], "HSDP with expert parallel is not supported (experts "
+                "are sharded over their own expert-data-parallel group)", "use parallel.dp_replicate=1 with ep")
     if t.global_batch % (p.dp * t.micro_batch):
         bad(["train.global_batch", "parallel.dp", "train.micro_batch"],
             f"global_batch={t.global_batch} is not divisible by dp*micro_batch={p.dp * t.micro_batch}",
@@ -154,10 +172,6 @@ def check(cfg: Config) -> list[Problem]:
         bad(["parallel.zero", "parallel.ep"], "ZeRO-1 (ZeroRedundancyOptimizer) broadcasts every updated "
             "parameter from its owner, which would overwrite one EP rank's experts with another's",
             "use parallel.zero=0 (DDP) or 2/3 (FSDP, experts sharded over the expert-data-parallel ranks)")
-    if m.num_experts and p.pp > 1 and m.aux_loss_coef + m.z_loss_coef > 0:
-        bad(["model.num_experts", "parallel.pp", "model.aux_loss_coef"], "the pipeline schedule's loss sees only "
-            "the last stage's output, so the router's auxiliary losses on earlier stages would get no gradient",
-            "use pp=1 for MoE (add ep instead), or set aux_loss_coef=0 and z_loss_coef=0")
     nodes_gpus = h.gpus_per_node * h.nodes
     if cfg.world_size > nodes_gpus:
         bad(["hardware.gpus_per_node", "hardware.nodes"],
@@ -182,25 +196,6 @@ def vocab_pad_hint(vocab: int, tp: int) -> str:
 
 
 # ----------------------------------------------------------------------------------------------- the pipeline split
-
-
-def pipeline_stage_ids(pp: int, v: int, schedule: str, pp_rank: int) -> list[int]:
-    """Stage indices pipeline rank `pp_rank` holds, in the order the schedule expects.
-
-    Zero-bubble with two chunks is torch's ScheduleZBVZeroBubble: a V, down the ranks and back up, so rank r
-    holds stages r and 2p-1-r and the turn stays local (Qi et al. 2024, "Zero Bubble Pipeline Parallelism").
-    Every other schedule is looped: rank r holds r, r+p, ... (Narayanan et al. 2021, interleaved 1F1B)."""
-    if pp == 1:
-        return [0]
-    if schedule == "zero_bubble" and v == 2:
-        return [pp_rank, 2 * pp - 1 - pp_rank]
-    return [pp_rank + k * pp for k in range(v)]
-
-
-def stage_layers(stage: int, n_layers: int, n_stages: int) -> list[int]:
-    """Global layer indices of a stage: a contiguous, equal share (uneven splits are refused by `check`)."""
-    per = n_layers // n_stages
-    return list(range(stage * per, (stage + 1) * per))
 
 
 # ----------------------------------------------------------------------------------------------- the ladder's gates
@@ -392,5 +387,5 @@ def anti_patterns(cfg: Config, *, act_share: float | None = None,
 
 __all__ = ["ACT_SHARE_FOR_CP", "ANTI_PATTERN_RULES", "LONG_CONTEXT", "WITHIN", "AntiPattern", "AntiPatternRule",
            "Problem", "RuleContext", "anti_patterns", "check", "cp_has_proven_need", "cp_sizes", "divisors",
-           "ep_allowed", "pipeline_stage_ids", "pp_allowed", "pp_sizes", "stage_layers", "tp_allowed",
+           "ep_allowed", "pp_allowed", "pp_sizes", "tp_allowed",
            "tp_blocked_by_vocab", "tp_sizes", "vocab_pad_hint"]

@@ -89,7 +89,11 @@ class FakeLauncher:
         json.dumps(args)  # the request must travel as JSON
         assert 0 < deadline_s <= 24 * 3600, deadline_s
         if "config" in args:  # nothing may launch with a config that does not validate
-            resolve(args["config"], args.get("overrides") or {}, self.root)
+            cfg, _ = resolve(args["config"], args.get("overrides") or {}, self.root)
+            if args.get("inject") is not None:  # ... nor with a planted bug that cannot apply to it
+                from curry_train.validation.inject import check
+
+                check(args["inject"], cfg)
         self.last = next(self.outcomes)
         if self.last == "result":
             return CANNED[task]

@@ -4,8 +4,9 @@
     curry-train whitebox --config configs/tiny.yaml --set parallel.dp=2 --json
     curry-train runs [--diff RUN_A RUN_B] --json
 
-Exit codes: 0 success (white-box passed), 1 failure (white-box failed, a rank crashed), 2 invalid input (config,
-name or arguments; one line on stderr and nothing was launched), 141 stdout closed by its reader (`| head`).
+Exit codes: 0 success (white-box passed), 1 failure (white-box parity failed; other commands: a rank crashed),
+2 invalid input (config, name or arguments; one line on stderr and nothing was launched), 3 the white-box run could
+not finish (timeout, crash, out of memory; no verdict), 141 stdout closed by its reader (`| head`).
 Results go to stdout (JSON with --json); progress, warnings and logs go to stderr.
 """
 
@@ -18,12 +19,12 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from curry_train.cli.argtypes import CliParser, positive_int, seconds, stdout_closed
+from curry_train.cli.argtypes import CliParser, nonneg_int, positive_int, seconds, stdout_closed
 
 # Feature modules that add their own subcommands: each defines add_subcommands(subparsers).
-EXTENSIONS = ["curry_train.cli.brain", "curry_train.cli.tools", "curry_train_mcp.cli"]
+EXTENSIONS = ["curry_train.cli.brain", "curry_train.cli.tools", "curry_train.cli.scale", "curry_train_mcp.cli"]
 
-EXIT_OK, EXIT_FAIL, EXIT_INVALID = 0, 1, 2
+EXIT_OK, EXIT_FAIL, EXIT_INVALID, EXIT_UNFINISHED = 0, 1, 2, 3
 
 
 def emit(obj: Any, as_json: bool, human: Callable[[Any], str] | None = None) -> None:
@@ -55,7 +56,8 @@ def _cmd_train(a: argparse.Namespace) -> int:
     from curry_train.measure import service
 
     warn_layout("train", a.config, parse_sets(a.set), a.root)
-    rec = service.train(a.config, parse_sets(a.set), root=a.root, timeout=a.timeout, progress=say)
+    rec = service.train(a.config, parse_sets(a.set), root=a.root, timeout=a.timeout, progress=say,
+                        checkpoint_dir=a.checkpoint_dir, save_every=a.save_every, resume=a.resume)
     m = rec.metrics
     emit(rec, a.json, lambda r: (f"run {r.run_id}: {r.config['parallel']} world={m['world_size']}\n"
                                  f"loss {m['first_loss']:.4f} -> {m['last_loss']:.4f} over {len(m['losses'])} steps; "
@@ -64,24 +66,67 @@ def _cmd_train(a: argparse.Namespace) -> int:
 
 
 def _human_verdict(v: Any) -> str:
-    lines = [f"white-box {'PASSED' if v.passed else 'FAILED'} (run {v.run_id}, {v.world_size} ranks, {v.steps} step(s))",
+    planted = f", planted bug {v.injection}" if v.injection else ""
+    lines = [f"white-box {'PASSED' if v.passed else 'FAILED'} (run {v.run_id}, {v.world_size} ranks, {v.steps} "
+             f"step(s){planted})",
              f"  loss ref {v.losses_ref} vs parallel {v.losses_parallel} (max diff {v.loss_max_diff:.2e})",
-             f"  grad norm ref {v.grad_norm_ref} vs parallel {v.grad_norm_parallel}"]
+             f"  grad norm ref {v.grad_norm_ref} vs parallel {v.grad_norm_parallel}",
+             f"  {v.n_params_compared} parameters, {v.n_replica_copies} copies over all ranks"]
     if v.worst_parameter:
         w = v.worst_parameter
-        lines.append(f"  worst: {w.name}: max |diff| {w.max_abs_diff:.2e} (allowed {w.allowed:.2e})")
+        lines.append(f"  worst: {w.name}: {w.metric} {w.measured:.2e} (allowed {w.allowed:.2e})")
     if not v.passed:
-        lines.append(f"  first diverging layer: {v.first_diverging_layer}")
+        lines.append(f"  first diverging layer: {v.first_diverging_layer}"
+                     + (f"; diverging rank: {v.diverging_rank}" if v.diverging_rank is not None else ""))
         lines += [f"  - {f}" for f in v.failures[:8]]
+    if v.injection:
+        lines.append(f"  the planted bug was {'caught' if not v.passed else 'NOT caught'}")
     return "\n".join(lines)
+
+
+def _list_injections(as_json: bool) -> int:
+    from curry_train.validation.inject import listing
+
+    rows = listing()
+    emit(rows, as_json, lambda rs: "\n".join(
+        f"{r['name']:24s} {r['family']:9s} {r['layout']:36s} {r['breaks']}" + ("" if r["available"] else
+                                                                               " [not available]") for r in rs))
+    return EXIT_OK
 
 
 def _cmd_whitebox(a: argparse.Namespace) -> int:
     from curry_train.config import parse_sets
     from curry_train.measure import service
 
-    v = service.whitebox(a.config, parse_sets(a.set), steps=a.steps, root=a.root, timeout=a.timeout,
-                         break_grad_sync=a.break_grad_sync)
+    if a.list_injections:
+        return _list_injections(a.json)
+    if a.steps < 1:
+        print(f"curry-train whitebox: --steps {a.steps}: a white-box compares at least 1 optimizer step (default 2)",
+              file=sys.stderr)
+        return EXIT_INVALID
+    if not a.timeout > 0:
+        print(f"curry-train whitebox: --timeout {a.timeout}: give a positive number of seconds (default 900)",
+              file=sys.stderr)
+        return EXIT_INVALID
+    inject, target = a.inject, None
+    if a.break_grad_sync:
+        if inject or len(a.break_grad_sync) > 1:
+            print("curry-train whitebox: --break-grad-sync takes one PARAM and is --inject ddp-unreduced-grad on it; "
+                  "do not combine it with --inject", file=sys.stderr)
+            return EXIT_INVALID
+        inject, target = "ddp-unreduced-grad", a.break_grad_sync[0]
+    from curry_train.train.launch import LaunchError
+    from curry_train.validation.inject import WhiteboxInputError
+
+    try:
+        v = service.whitebox(a.config, parse_sets(a.set), steps=a.steps, root=a.root, timeout=a.timeout,
+                             inject=inject, inject_target=target)
+    except WhiteboxInputError as e:
+        print(f"curry-train whitebox: {e}", file=sys.stderr)
+        return EXIT_INVALID
+    except LaunchError as e:
+        print(f"curry-train whitebox: the run could not finish, no verdict: {e}", file=sys.stderr)
+        return EXIT_UNFINISHED
     emit(v, a.json, _human_verdict)
     return EXIT_OK if v.passed else EXIT_FAIL
 
@@ -107,15 +152,26 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="train a config on dp*tp*pp*cp ranks through torchrun")
     add_config_args(p)
     p.add_argument("--timeout", type=seconds, default=1800.0, help="seconds before every rank is killed")
+    p.add_argument("--checkpoint-dir", default=None, help="save checkpoints here (step-NNNNNN folders, DCP)")
+    p.add_argument("--save-every", type=nonneg_int, default=0, help="save after every N optimizer steps (0: never)")
+    p.add_argument("--resume", default=None, help="continue from this checkpoint (folder or step-NNNNNN); the "
+                   "layout may differ from the one that saved it")
     p.set_defaults(fn=_cmd_train)
 
-    p = sub.add_parser("whitebox", help="prove the parallel run matches the single-device reference")
+    p = sub.add_parser("whitebox", help="prove the parallel run matches the single-device reference",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                       epilog="exit codes: 0 passed, 1 parity failed, 2 bad input (nothing launched), 3 the run "
+                              "could not finish (timeout, crash, out of memory)")
     add_config_args(p)
-    p.add_argument("--steps", type=int, default=1, help="optimizer steps to compare (default 1)")
-    p.add_argument("--timeout", type=float, default=900.0)
+    p.add_argument("--steps", type=int, default=2,
+                   help="optimizer steps to compare (>= 1; 2 also exercises the optimizer state)")
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds before every rank is killed (exit 3)")
+    p.add_argument("--inject", metavar="NAME", default=None,
+                   help="plant one known bug in the parallel run only; the verdict must fail (--list-injections)")
+    p.add_argument("--list-injections", action="store_true",
+                   help="print the planted-bug catalogue (name, family, layout, what it breaks) and exit")
     p.add_argument("--break-grad-sync", action="append", default=None, metavar="PARAM",
-                   help="self-test: leave PARAM's gradient un-reduced across dp ranks (needs dp>1, zero<=1); "
-                        "the verdict must fail and name it")
+                   help="same as --inject ddp-unreduced-grad on PARAM (needs dp*cp > 1 and zero <= 1)")
     p.set_defaults(fn=_cmd_whitebox)
 
     p = sub.add_parser("runs", help="list recorded runs, or diff two")
@@ -136,6 +192,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from curry_train.compat import TorchVersionError, check_torch
+
+    try:  # before anything imports torch: a torch below the minimum is invalid input, said in one line
+        check_torch()
+    except TorchVersionError as e:
+        print(f"curry-train: {e}", file=sys.stderr)
+        return EXIT_INVALID
     from curry_train.config import ConfigError
     from curry_train.measure.preflight import PreflightError
     from curry_train.paths import UnsafeName

@@ -25,6 +25,7 @@ from curry_train.measure.bench import DeviceLock
 from curry_train.measure.preflight import cpu_rank_cap
 from curry_train.paths import configs_dir, resolve_config_arg
 
+WHITEBOX_STEPS = 2  # two updates: a wrong optimizer step (ZeRO state, weight decay, lr) shows in the second
 # The README's CPU budget for tiny: between the measured peaks of rung 2 (ZeRO-3 on 4 ranks + full recompute,
 # 2.25 MB) and rung 3 (+ TP 2 with SP, 1.75 MB), so the climb takes three primitives (baseline 6.04 MB).
 README_BUDGET = 2_000_000
@@ -157,7 +158,7 @@ def climb(config: str, memory_budget: int, *, overrides: dict[str, Any] | None =
             parity = "ref"  # the single-device baseline is the reference itself
         else:
             say(f"rung {rung}: white-box {name} against one device")
-            v = locked(lambda: service.whitebox(name, steps=1, root=root, timeout=timeout))
+            v = locked(lambda: service.whitebox(name, steps=WHITEBOX_STEPS, root=root, timeout=timeout))
             parity, wb_run = ("passed" if v.passed else "FAILED"), v.run_id
         fits = not b.oom and b.peak_memory_bytes <= memory_budget
         g = Rung(rung=rung, primitive=primitive, reason=reason, patch=patch, parallel=b.parallel,

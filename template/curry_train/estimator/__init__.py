@@ -49,6 +49,8 @@ Files (this one holds the public API and the result models; the others are re-ex
   estimate_states.py    params, gradients, AdamW state and the DDP / ZeRO-1 / FSDP buffers around them
   estimate_peak.py      the moments of the step and the per-rank peak
   estimate_comm.py      collectives per step and the step time (CommItem, StepTime)
+  init.py               the init peak (meta-device build, then local shards one parameter at a time)
+`fits` needs both the step peak and the init peak under the usable budget.
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ from pydantic import BaseModel, Field
 from curry_train.breakdown import CATEGORIES, Breakdown
 from curry_train.config import Config, from_dict, load_yaml
 from curry_train.estimator.comm import CommItem, StepTime, _step_time
+from curry_train.estimator.init import init_peak
 from curry_train.estimator.layout import (
     GiB,
     _Layout,
@@ -71,6 +74,7 @@ from curry_train.estimator.layout import (
     flops_per_token,
     hardware_flops_per_token,
     param_count,
+    stage_split,
 )
 from curry_train.estimator.peak import PP_KEEPS_OUTPUTS, _peak
 from curry_train.estimator.pipeline import bubble_fraction, in_flight, pipe_states, stage_ids
@@ -123,8 +127,10 @@ class Estimate(BaseModel):
     budget_bytes: int = Field(description="hardware.gpu_memory_gib.")
     reserve_bytes: int = Field(description="Held back for the CUDA context/NCCL and fragmentation (0 on CPU).")
     usable_bytes: int = Field(description="budget - reserve: what the peak must stay under.")
-    fits: bool
-    headroom_bytes: int = Field(description="usable - total (negative: over budget).")
+    fits: bool = Field(description="Both the step peak (memory.total) and init_peak_bytes are <= usable_bytes.")
+    headroom_bytes: int = Field(description="usable - max(total, init peak) (negative: over budget).")
+    init_peak_bytes: int = Field(0, description="Peak while the rank builds its model: local shards + the largest "
+                                               "full parameter (+ its local chunk, RoPE tables; DDP: + buckets).")
     param_count: int = Field(description="Parameters of the whole model.")
     params_per_rank: int = Field(description="Parameters stored on the largest rank (after TP/PP/EP/FSDP).")
     model_state_bytes: int = Field(description="fp32 params + final grads + AdamW state on the largest rank.")
@@ -243,9 +249,11 @@ def estimate(cfg: Config, *, hardware: str | HardwareProfile | None = None,
     hw = resolve_hardware(cfg, hardware, probe)
     per = [_breakdown(x, r) for r in range(x.pp)]
     worst = max(per, key=lambda b: b.total)
+    init = max(init_peak(x, r) for r in range(x.pp))
     budget = int(x.budget_gib * GiB)
     reserve = reserve_bytes(cfg)
     usable = budget - reserve
+    need = max(worst.total, init)
     step, items = _step_time(x, hw)
     st = _states(x, stage_ids(x, worst.pp_rank))
     states = st.params + st.grads_full + st.opt
@@ -258,11 +266,13 @@ def estimate(cfg: Config, *, hardware: str | HardwareProfile | None = None,
         if x.fsdp and x.pp > 1 else "",
         "pipeline step() keeps every micro-batch's logits on the last stage (return_outputs=True)"
         if x.pp > 1 and PP_KEEPS_OUTPUTS else "",
-        f"HSDP (dp_replicate={x.dp_replicate}): communication is timed per shard group + replica all-reduce; the "
-        "memory still assumes sharding over all dp*cp ranks" if x.dp_replicate > 1 else "",
+        "CP ring attention on fused kernels with LSE (flash on CPU, memory-efficient on CUDA): O(T/cp) memory, "
+        "compute-dtype FLOPs" if x.cp > 1 else "",
+        f"pipeline stages {list(stage_split(x))} layers (pipeline_split.py)" if x.pp > 1 else "",
     ]
     return Estimate(memory=worst, per_pp_rank=per, budget_bytes=budget, reserve_bytes=reserve, usable_bytes=usable,
-                    fits=worst.total <= usable, headroom_bytes=usable - worst.total, param_count=param_count(cfg),
+                    fits=need <= usable, headroom_bytes=usable - need, init_peak_bytes=init,
+                    param_count=param_count(cfg),
                     params_per_rank=st.n_stored, model_state_bytes=states,
                     model_state_bytes_per_param=states / max(param_count(cfg), 1),
                     active_params_per_token=active_params(cfg),
@@ -318,7 +328,7 @@ def quick_layout(x: _Layout, hw: HardwareProfile) -> Quick:
     ranks = [0, x.pp - 1] if x.pp > 1 else [0]
     if x.pp > 1 and x.schedule == "zero_bubble" and x.v == 2:
         ranks.append(x.pp // 2)
-    total = max(_peak(x, r).total for r in ranks)
+    total = max(max(_peak(x, r).total, init_peak(x, r)) for r in ranks)  # the init peak must fit too
     step, _ = _step_time(x, hw)
     usable = int(x.budget_gib * GiB) - _reserve(x)
     return Quick(total=total, usable=usable, step_s=step.total_s, comm_fraction=step.comm_fraction, mfu=step.mfu)

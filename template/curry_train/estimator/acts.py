@@ -54,10 +54,10 @@ def _acts(x: _Layout) -> _Acts:
     c = 4 if path == "fp32" else 2  # compute bytes
     r = 2 if path == "mp" else 4  # residual-stream bytes
     cp_ring = x.cp > 1
-    # attention core: SDPA saves q, k, v (repeated for GQA), out, lse; ring attention (CP) saves q, the
-    # un-repeated k, v, an fp32 out and the lse.
+    # attention core: SDPA saves q, k, v (repeated for GQA), out, lse; ring attention (CP, fused kernels with
+    # their LSE: flash on CPU, memory-efficient elsewhere) saves q, the un-repeated k, v, out and the fp32 lse.
     if cp_ring:
-        attn = n * (Dq * c + 2 * Dkv * c + Dq * 4 + Hl * 4)
+        attn = n * (Dq * c + 2 * Dkv * c + Dq * c + Hl * 4)
     else:
         Dk = Dq if rep > 1 else Dkv
         attn = n * ((2 * Dq + 2 * Dk) * c + Hl * 4)
@@ -75,10 +75,10 @@ def _acts(x: _Layout) -> _Acts:
         ffn = _moe_saved(x, n, path) + (y2 if path != "autocast" else 0)
         _, Sk = _moe_slots(x, n)
         prod = Sk * x.F * c
-        # Experts.forward indexes w[e] per expert: each SelectBackward returns a zero-filled [El, D, F] gradient
-        # that is summed into the running one (three params: w1, w3, w2), two more in flight (measured)
+        # Experts.forward (CPU loop) takes unbind views of the stacked weights: the El [D, F] slice gradients
+        # live until UnbindBackward stacks them into one [El, D, F] tensor (both at once: 2 per weight)
         El = x.E // x.ep
-        ffn_bwd = 5 * El * D * x.F * (2 if path == "mp" else 4) + 3 * (Sk // El) * x.F * c
+        ffn_bwd = 2 * El * D * x.F * (2 if path == "mp" else 4) + 3 * (Sk // El) * x.F * c
     else:
         ffn = y2 + n * 4 * Fl * c
         prod = n * Fl * c
@@ -89,7 +89,7 @@ def _acts(x: _Layout) -> _Acts:
         saved = stream
     elif x.recompute == "selective":
         mm = n * (Dq + 2 * Dkv + D) * c + (n * (2 * Fl + D) * c if not x.E else _moe_mm(x, n, c))
-        core = n * (Dq * (4 if cp_ring else c) + Hl * 4)
+        core = n * (Dq * c + Hl * 4)
         rs = 2 * nn_ * D * c if sp else 0
         saved = stream + mm + core + rs
     else:
@@ -116,16 +116,15 @@ def _acts(x: _Layout) -> _Acts:
 
 
 def _ring_backward(x: _Layout, n: int, Dq: int, Dkv: int, Hl: int, c: int) -> int:
-    """RingAttention.backward (context_parallel.py) on one rank: fp32 q, dout and dq [n, Dq]; the K/V stack and
-    the ring's receive buffer [2, n, Dkv] in the compute dtype; fp32 dK/dV and its shift buffer; fp32 copies of
-    the K/V block in hand; the row sums; and a block's fp32 score / probability / gradient tiles (head-tail
-    layout: blocks of T/(2 cp) x T/(2 cp) per head): the loop's variables keep the previous block's four tiles
-    alive while the next block's first two are made (measured)."""
-    up = 0 if c == 4 else 1  # .float() copies only when the compute dtype is bf16
-    Tb = x.s // (2 * x.cp)
-    tiles = 6 * x.b * Hl * Tb * Tb * 4
-    return (n * Dq * 4 * (1 + 2 * up) + n * Hl * 4 + 2 * (2 * n * Dkv * c) + 2 * (2 * n * Dkv * 4)
-            + up * 2 * n * Dkv * 4 + tiles)
+    """RingAttention.backward (context_parallel.py, fused kernels) on one rank: the incoming gradient made
+    contiguous and the fp32 dq [n, Dq]; the K/V stack and the ring's receive buffer [2, n, Dkv] in the compute
+    dtype; fp32 dK/dV and its shift buffer; the GQA-repeated K and V [n, Dq] (compute dtype); one block's
+    kernel outputs dq, dk, dv (T/(2 cp) rows, compute dtype) and their fp32 head-summed copies. No score tile:
+    the fused kernels work in on-chip tiles (O(T), not O(T^2))."""
+    rep = Dq // max(Dkv, 1)
+    nb = n // 2  # one block: half of this rank's tokens (head-tail layout, T/(2 cp) rows per sequence)
+    return (n * Dq * (c + 4) + 2 * (2 * n * Dkv * c) + 2 * (2 * n * Dkv * 4)
+            + (2 * n * Dq * c if rep > 1 else 0) + 3 * nb * Dq * c + 2 * nb * Dkv * 4)
 
 
 def _moe_slots(x: _Layout, n: int) -> tuple[int, int]:

@@ -16,16 +16,20 @@ alpha-beta times per link (intra vs inter node), then the step:
 from __future__ import annotations
 
 import math
-from functools import lru_cache
 
 from pydantic import BaseModel, Field
 
 from curry_train.estimator.acts import _acts, _moe_slots
-from curry_train.estimator.layout import _block_tensors, _Layout, flops_per_token, hardware_flops_per_token
+from curry_train.estimator.layout import (
+    _block_tensors,
+    _Layout,
+    flops_per_token,
+    hardware_flops_per_token,
+    rank_layers,
+)
 from curry_train.estimator.pipeline import bubble_ratio, stage_ids
 from curry_train.estimator.profiles import HardwareProfile
 from curry_train.estimator.states import _states
-from curry_train.rules import pipeline_stage_ids, stage_layers
 
 FIRST_BUCKET_BYTES = 1 * 2**20  # DDP's first bucket; later ones are 25 MiB
 BUCKET_BYTES = 25 * 2**20
@@ -109,7 +113,7 @@ def _comm(x: _Layout, hw: HardwareProfile, t_compute: float) -> list[CommItem]:
                              wire_bytes=int(wire), link=link, time_s=tm), window, critical))
 
     dp_link = _span_link(x, x.dpcp, x.tp)
-    layers = x.L // x.pp
+    layers = max(rank_layers(x, stage_ids(x, r)) for r in range(x.pp))  # the busiest pipeline rank
     if x.ddp:
         nbytes = st.ddp_buckets
         calls = max(1, math.ceil(max(nbytes - FIRST_BUCKET_BYTES, 0) / BUCKET_BYTES) + 1)
@@ -166,7 +170,7 @@ def _fsdp(x: _Layout, units: int, layers: int, add) -> None:
     (m + 1 in all), zero 2 gathers once. HSDP (dp_replicate r > 1): the shard group is dp*cp / r ranks; the
     reduced shard is then all-reduced across the r replicas."""
     m, cb = x.m, (2 if x.path == "mp" else 4)
-    r = x.dp_replicate if x.dp_replicate > 1 and x.dpcp % x.dp_replicate == 0 else 1
+    r = x.dpr if x.dpr > 1 and x.dpcp % x.dpr == 0 else 1
     shard = x.dpcp // r
     link = _span_link(x, shard, x.tp)
     n_units = layers + 1
@@ -240,19 +244,19 @@ def _pipeline(x: _Layout, hw: HardwareProfile) -> tuple[float, list[float]]:
     blocks, head, embed = _stage_costs(x, hw)
     if x.pp == 1:
         return blocks + head + embed, [blocks + head + embed]
-    layers, first, last = _rank_layers(x.L, x.pp, x.v, x.schedule)
+    layers, first, last = _rank_layers(x)
     busy = [blocks * n / x.L for n in layers]
     busy[first] += embed
     busy[last] += head
     return max(busy) + bubble_ratio(x) * sum(busy) / x.pp, busy
 
 
-@lru_cache(maxsize=1024)
-def _rank_layers(n_layers: int, pp: int, v: int, schedule: str) -> tuple[tuple[int, ...], int, int]:
-    """(layers each pipeline rank holds, the rank with stage 0, the rank with the last stage)."""
-    n_stages = pp * v
-    ids = [pipeline_stage_ids(pp, v, schedule, r) for r in range(pp)]
-    layers = tuple(sum(len(stage_layers(s, n_layers, n_stages)) for s in st) for st in ids)
+def _rank_layers(x: _Layout) -> tuple[tuple[int, ...], int, int]:
+    """(layers each pipeline rank holds under the template's own split (pipeline_split, possibly uneven), the
+    rank with stage 0, the rank with the last stage)."""
+    n_stages = x.pp * x.v
+    ids = [stage_ids(x, r) for r in range(x.pp)]
+    layers = tuple(rank_layers(x, st) for st in ids)
     return layers, next(r for r, st in enumerate(ids) if 0 in st), \
         next(r for r, st in enumerate(ids) if n_stages - 1 in st)
 

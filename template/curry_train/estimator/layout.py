@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from curry_train.config import Config
+from curry_train.pipeline_split import layers_per_stage
 
 GiB = 2**30
 
@@ -45,9 +46,18 @@ class _Layout:
     budget_gib: float
     has_z: bool
     has_aux: bool
-    # HSDP (issue: scale-out): replicas of the FSDP shard group; dp * cp = dp_replicate x shard group. The config
-    # has no field yet (parallel.dp_replicate), so it is 1 unless a caller sets it; estimator/comm.py times it.
-    dp_replicate: int = 1
+    pp_layers: tuple[int, ...] | None = None  # parallel.pp_layers (explicit stage split), else split by cost
+    dpr: int = 1  # HSDP replicas (parallel.dp_replicate): FSDP shards over dpcp / dpr ranks
+
+    @property
+    def shard(self) -> int:
+        """Ranks a dense parameter is FSDP-sharded over: dp*cp, or dp*cp/dp_replicate under HSDP."""
+        return self.dpcp // self.dpr
+
+    @property
+    def dp_replicate(self) -> int:
+        """HSDP replica groups (parallel.dp_replicate); dp*cp = dp_replicate x the FSDP shard group."""
+        return self.dpr
 
     @property
     def Dh(self) -> int:
@@ -90,7 +100,22 @@ def _layout(cfg: Config) -> _Layout:
                    schedule=p.pp_schedule, v=p.pp_virtual, ep=p.ep, cp=p.cp, dtype=t.dtype, device=device,
                    gpn=h.gpus_per_node, nodes=h.nodes, budget_gib=h.gpu_memory_gib,
                    has_z=m.z_loss_coef > 0, has_aux=m.aux_loss_coef > 0,
-                   dp_replicate=int(getattr(p, "dp_replicate", 1) or 1))
+                   pp_layers=tuple(p.pp_layers) if p.pp_layers else None, dpr=p.dp_replicate)
+
+
+def stage_split(x: _Layout) -> tuple[int, ...]:
+    """Layers per pipeline stage: pipeline_split.layers_per_stage, the function parallel/pipeline.py builds the
+    stages with. A pp_layers list that no longer fits the stage count (the planner varying pp) is dropped."""
+    n_stages = x.pp * x.v
+    explicit = x.pp_layers if x.pp_layers and len(x.pp_layers) == n_stages and sum(x.pp_layers) == x.L else None
+    return layers_per_stage(n_layers=x.L, pp=x.pp, pp_virtual=x.v, pp_layers=explicit, d_model=x.D, n_heads=x.H,
+                            n_kv_heads=x.G, d_ff=x.F, vocab_size=x.V, seq_len=x.s, num_experts=x.E, top_k=x.K)
+
+
+def rank_layers(x: _Layout, stages: list[int] | tuple[int, ...]) -> int:
+    """Transformer layers a pipeline rank holding `stages` runs."""
+    split = stage_split(x)
+    return sum(split[s] for s in stages)
 
 
 # One parameter tensor as one rank holds it before FSDP: (dim0, rest, global numel, fsdp group size kind)

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from curry_train.estimator.acts import _acts
-from curry_train.estimator.layout import _block_tensors, _Layout
+from curry_train.estimator.layout import _block_tensors, _Layout, stage_split
 from curry_train.estimator.pipeline import _PipeState, pipe_states, stage_ids
 from curry_train.estimator.states import _states
 
@@ -43,7 +43,8 @@ def _peak(x: _Layout, pp_rank: int) -> _Peak:
     st = _states(x, stages)
     a = _acts(x)
     n_stages = x.pp * x.v
-    per_stage = x.L // n_stages
+    lay = [stage_split(x)[s_] for s_ in stages]  # layers of each chunk this rank holds (pipeline_split)
+    n_blk = sum(lay)
     has_embed, has_head = 0 in stages, n_stages - 1 in stages
     head_chunk = stages.index(n_stages - 1) if has_head else -1
     m = x.m
@@ -79,7 +80,7 @@ def _peak(x: _Layout, pp_rank: int) -> _Peak:
         held = ps.held
         k_total = sum(held)
         # forward-created tensors of every in-flight micro-batch
-        acts = sum(k * (per_stage * a.layer_saved + a.rope) for k in held) + data
+        acts = sum(k * (lay[ci] * a.layer_saved + a.rope) for ci, k in enumerate(held)) + data
         if has_embed:  # (a pipeline's ids are views of the concatenated batch: only TP's masks are new)
             acts += held[stages.index(0)] * (a.embed - (x.b * (x.s // x.cp) * 8 if x.pp > 1 else 0))
         if x.pp > 1:  # a stage's output stays in the schedule's fwd_cache until its backward (+1, measured)
@@ -87,8 +88,7 @@ def _peak(x: _Layout, pp_rank: int) -> _Peak:
             acts += (outs + (1 if outs else 0)) * a.stream
         # autocast caches its weight casts for the whole `with autocast()` region: one set per micro-batch
         # (train.forward_backward), or one for the whole pipeline step (all micro-batches inside one region)
-        pcopies = (len(stages) if x.pp > 1 else k_total) * per_stage * a.pcopy_layer + (a.pcopy_head if has_head
-                                                                                      else 0)
+        pcopies = (n_blk if x.pp > 1 else k_total * n_blk) * a.pcopy_layer + (a.pcopy_head if has_head else 0)
         if has_head and x.pp > 1:
             k_head = held[head_chunk]
             logits_alive = (ps.head_fwds if PP_KEEPS_OUTPUTS else k_head) * a.logits
@@ -134,7 +134,7 @@ def _peak(x: _Layout, pp_rank: int) -> _Peak:
         if x.pp > 1 and x.schedule == "zero_bubble":
             # input-backward (I) retains the graph for the weight-backward (W): nothing is freed, and every
             # linear's output gradient of the chunk is kept for W
-            o3 += per_stage * a.lin_out_grads
+            o3 += lay[ps.chunk] * a.lin_out_grads
             if has_head and ps.chunk == head_chunk:  # the loss part of the graph is retained too
                 acts_i, o_i = head_acts + rec, o3 + a.grad_logits
             else:
@@ -153,15 +153,15 @@ def _peak(x: _Layout, pp_rank: int) -> _Peak:
     logits_end = (m if (has_head and x.pp > 1 and PP_KEEPS_OUTPUTS) else (1 if has_head and x.pp == 1 else 0))
     if fsdp:
         blk_shard = st.n_stored - st.root_stored
-        root_local = st.n_local - blk_local * per_stage * len(stages)
-        g4 = 4 * (blk_shard - blk_shard // max(per_stage * len(stages), 1))  # reduced blocks: sharded grads
+        root_local = st.n_local - blk_local * n_blk
+        g4 = 4 * (blk_shard - blk_shard // max(n_blk, 1))  # reduced blocks: sharded grads
         if fsdp_accum:
             g4 += 4 * (root_local + blk_local)  # accumulators of the root and of this block
             if x.path == "mp":
                 g4 += cb * (root_local + w2)
         else:
             if m > 1:  # sharded grads of this block and the root from the earlier micro-steps
-                g4 += 4 * (st.n_stored - (blk_shard - blk_shard // max(per_stage * len(stages), 1)))
+                g4 += 4 * (st.n_stored - (blk_shard - blk_shard // max(n_blk, 1)))
             g4 += cb * (root_local - ((x.V // x.tp) * x.D if has_embed else 0) + w2)
         p4, o4 = st.root_unit + st.unit_max, st.rs_buffer
     else:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from curry_train.estimator.layout import _Layout
-from curry_train.rules import pipeline_stage_ids
+from curry_train.pipeline_split import pipeline_stage_ids
 
 
 def stage_ids(x: _Layout, pp_rank: int) -> list[int]:

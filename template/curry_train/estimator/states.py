@@ -8,7 +8,7 @@ import heapq
 from dataclasses import dataclass
 from functools import lru_cache
 
-from curry_train.estimator.layout import _block_tensors, _Layout, _root_tensors, _Tensor
+from curry_train.estimator.layout import _block_tensors, _Layout, _root_tensors, _Tensor, rank_layers
 
 
 @lru_cache(maxsize=4096)
@@ -50,7 +50,7 @@ def _states(x: _Layout, stages: list[int]) -> _States:
 def _states_cached(x: _Layout, stages: tuple[int, ...]) -> _States:
     """Parameters, gradients and AdamW state of one pipeline rank (blocks are identical: sums per block)."""
     n_stages = x.pp * x.v
-    n_blocks = (x.L // n_stages) * len(stages)
+    n_blocks = rank_layers(x, stages)  # pipeline_split: stages may hold different layer counts
     blk = _block_tensors(x)
     root = _root_tensors(x, 0 in stages, n_stages - 1 in stages)
     blk_local = sum(d0 * r for d0, r, _, _ in blk)
@@ -60,11 +60,16 @@ def _states_cached(x: _Layout, stages: tuple[int, ...]) -> _States:
     cbytes = 2 if x.path == "mp" else 4
     edp = (x.dp // x.ep) * x.cp
 
-    def group(tn: _Tensor) -> int:
-        return edp if (tn[3] == "expert" and x.ep > 1) else x.dpcp
+    def group(tn: _Tensor) -> int:  # HSDP shards dense tensors over dp*cp/dp_replicate ranks (layout.shard)
+        return edp if (tn[3] == "expert" and x.ep > 1) else x.shard
 
     def shard(tn: _Tensor) -> int:  # FSDP2: dim 0 split in ceil(d0 / d) rows, rank 0 holds the most
-        return -(-tn[0] // group(tn)) * tn[1]
+        g = group(tn)
+        if tn[3] == "expert" and x.ep > 1 and tn[0] % g:
+            # expert_parallel.expert_shard_placement: El experts that do not split over edp are sharded on a
+            # hidden dim ([El, D, F] -> D / g rows of each; the _Tensor folds D*F into `rest`)
+            return tn[0] * -(-tn[1] // g)
+        return -(-tn[0] // g) * tn[1]
 
     step_bytes = 4 if x.device == "cpu" else 0
     if x.fsdp:

@@ -62,6 +62,9 @@ class BenchResult(BaseModel):
     tokens_per_s: float | None
     peak_memory_bytes: int = Field(description="Largest per-rank peak (CUDA: allocator high-water mark).")
     per_rank_peak_bytes: list[int] = Field(default_factory=list)
+    init_peak_bytes: list[int] = Field(default_factory=list, description="Per rank: peak live bytes while it built "
+                                       "its model (meta build + local shards, measure/init_memory.py; CUDA: the "
+                                       "larger of that and the allocator's high-water mark).")
     memory_breakdown: MemoryBreakdown = Field(description="The rank with the largest peak, by category "
                                                           "(curry_train/breakdown.py, the estimate's categories).")
     memory_budget_bytes: int = Field(description="hardware.gpu_memory_gib in bytes: the per-rank budget.")
@@ -141,7 +144,7 @@ def bench_job(spec: dict[str, Any]) -> dict[str, Any]:
     import torch
 
     from curry_train.config import from_dict
-    from curry_train.train.loop import init_distributed, rank, setup, train_step
+    from curry_train.train.loop import init_distributed, rank, train_step
 
     cfg = from_dict(spec["config"])
     steps, warmup = int(spec.get("steps", 5)), int(spec.get("warmup", 1))
@@ -153,7 +156,10 @@ def bench_job(spec: dict[str, Any]) -> dict[str, Any]:
         out["device_name"] = torch.cuda.get_device_name(device)
     progress = Path(spec["out_dir"]) / "progress.log" if r == 0 else None
     try:
-        par = setup(cfg, device)
+        from curry_train.measure.init_memory import measure_init
+
+        par, init = measure_init(cfg, device)
+        out["init_peak_bytes"] = max(init["init_peak_bytes"], init.get("cuda_init_peak_bytes", 0))
         if cuda:
             torch.cuda.reset_peak_memory_stats(device)
         history = []
@@ -256,6 +262,7 @@ def summarise(cfg: Config, values: list[dict[str, Any]], *, run_id: str, config_
         parallel=cfg.parallel.model_dump(), steps=steps, warmup=warmup, step_time_s=step_time,
         step_times_s=per_step, tokens_per_s=tokens / step_time if step_time else None,
         peak_memory_bytes=peaks[worst], per_rank_peak_bytes=peaks, memory_breakdown=breakdowns[worst],
+        init_peak_bytes=[int(v.get("init_peak_bytes", 0)) for v in values],
         memory_budget_bytes=budget, losses=losses, loss_finite=bool(losses) and all(math.isfinite(x) for x in losses),
         oom=over, oom_detail=(f"measured peak {peaks[worst]} B on rank {worst} > budget {budget} B "
                               f"(hardware.gpu_memory_gib={cfg.hardware.gpu_memory_gib})") if over else None,

@@ -26,19 +26,56 @@ def resolve(config: str, overrides: dict[str, Any] | None = None, root: str | Pa
 
         names = sorted(p.stem for p in configs_dir(root).glob("*.yaml"))
         raise FileNotFoundError(f"no config {config!r}; available: {', '.join(names) or '(none)'}")
-    return load_config(path, overrides), path.stem
+    cfg = load_config(path, overrides)
+    if cfg.data.path:  # ranks may start elsewhere: pass an absolute path; a bad file fails here, before a launch
+        from curry_train.model.data import token_file
+
+        cfg.data.path = str(Path(cfg.data.path).expanduser().resolve())
+        token_file(cfg)
+    return cfg, path.stem
+
+
+def _checkpoint_args(cfg: Config, checkpoint_dir: str | None, save_every: int, resume: str | None) -> dict:
+    """Absolute checkpoint paths for the ranks, checked before anything launches (train/checkpoint.py)."""
+    from curry_train.config import ConfigError, Problem
+
+    def bad(field: str, message: str, fix: str) -> ConfigError:
+        return ConfigError([Problem(fields=[field], message=message, fix=fix)])
+
+    if save_every < 0:
+        raise bad("--save-every", f"{save_every} is negative", "use N >= 1 (save after every N steps)")
+    if save_every and not checkpoint_dir:
+        raise bad("--save-every", "--save-every needs --checkpoint-dir", "add --checkpoint-dir DIR")
+    if (checkpoint_dir or resume) and cfg.model.num_experts and cfg.parallel.ep > 1:
+        raise bad("parallel.ep", "checkpoints do not support expert parallel (expert shards share names across "
+                  "ranks)", "use parallel.ep=1 with --checkpoint-dir / --resume")
+    out: dict[str, Any] = {}
+    if checkpoint_dir:
+        out["checkpoint_dir"], out["save_every"] = str(Path(checkpoint_dir).expanduser().resolve()), save_every
+    if resume:
+        from curry_train.train.checkpoint import find_checkpoint
+
+        folder, meta = find_checkpoint(Path(resume).expanduser(), cfg)
+        if meta["step"] >= cfg.train.steps:
+            raise bad("train.steps", f"the checkpoint is at step {meta['step']}, train.steps={cfg.train.steps} "
+                      "leaves nothing to train", f"set train.steps > {meta['step']}")
+        out["resume"] = str(folder.resolve())
+    return out
 
 
 def train(config: str, overrides: dict[str, Any] | None = None, *, root: str | Path | None = None,
           timeout: float = 1800.0, cancel: threading.Event | None = None,
-          progress: Callable[[str], None] | None = None) -> RunRecord:
-    """Train cfg.train.steps steps on world_size ranks through torchrun; returns the finished run record.
-    `progress` gets a line at launch and step lines while it runs (train/progress.py)."""
+          progress: Callable[[str], None] | None = None, checkpoint_dir: str | None = None,
+          save_every: int = 0, resume: str | None = None) -> RunRecord:
+    """Train cfg.train.steps steps on world_size ranks through torchrun (from a checkpoint's step with `resume`,
+    saving every `save_every` steps into `checkpoint_dir`); returns the finished run record. `progress` gets a
+    line at launch and step lines while it runs (train/progress.py)."""
     from curry_train.train.launch import LaunchError, run_torchrun
     from curry_train.train.progress import follow_steps
 
     cfg, name = resolve(config, overrides, root)
     preflight(cfg, name)
+    ckpt = _checkpoint_args(cfg, checkpoint_dir, save_every, resume)
     ledger = Ledger(root)
     rec = ledger.start("train", cfg, name)
     run_path = Path(ledger.path.parent / rec.run_id)
@@ -47,8 +84,8 @@ def train(config: str, overrides: dict[str, Any] | None = None, *, root: str | P
         f"step lines follow once the ranks have imported torch and built the model (log: {run_path / 'ranks.log'})")
     try:
         with follow_steps(run_path / "ranks.log", cfg.train.steps, say) if progress else nullcontext():
-            values = run_torchrun({"kind": "train", "config": cfg.to_dict(), "progress": progress is not None},
-                                  cfg.world_size, run_path, timeout=timeout, cancel=cancel)
+            values = run_torchrun({"kind": "train", "config": cfg.to_dict(), "progress": progress is not None,
+                                   **ckpt}, cfg.world_size, run_path, timeout=timeout, cancel=cancel)
     except LaunchError as e:
         ledger.finish(rec.run_id, status="cancelled" if "cancelled" in str(e) else "failed", error=str(e)[:4000])
         raise
@@ -57,25 +94,35 @@ def train(config: str, overrides: dict[str, Any] | None = None, *, root: str | P
         "losses": out["losses"], "first_loss": out["losses"][0], "last_loss": out["losses"][-1],
         "step_time_s": sorted(out["step_time_s"])[len(out["step_time_s"]) // 2],
         "tokens_per_s": sorted(out["tokens_per_s"])[len(out["tokens_per_s"]) // 2],
-        "world_size": out["world_size"], "device": out["device"],
+        "world_size": out["world_size"], "device": out["device"], "start_step": out.get("start_step", 0),
+        **({"checkpoint": ckpt} if ckpt else {}),
     }
     return ledger.finish(rec.run_id, status="ok", metrics=metrics)
 
 
-def whitebox(config: str, overrides: dict[str, Any] | None = None, *, steps: int = 1,
+def whitebox(config: str, overrides: dict[str, Any] | None = None, *, steps: int = 2,
              root: str | Path | None = None, timeout: float = 900.0, cancel: threading.Event | None = None,
-             break_grad_sync: list[str] | None = None):
-    """Parallel run vs single-device reference; returns the Verdict (with run_id), recorded in the ledger."""
-    from curry_train.train.launch import LaunchError
-    from curry_train.validation.whitebox import run_whitebox
+             inject: str | None = None, inject_target: str | None = None):
+    """Parallel run vs single-device reference; returns the Verdict (with run_id), recorded in the ledger.
 
+    `inject` plants one bug of validation/inject.CATALOGUE in the ranks (the verdict must then fail). Bad input
+    (steps < 1, timeout <= 0, an unknown injection or one that cannot apply to the layout) is refused
+    before anything is launched or recorded (validation/inject.WhiteboxInputError, a ValueError)."""
+    from curry_train.train.launch import LaunchError
+    from curry_train.validation.whitebox import check_steps, run_whitebox
+
+    check_steps(steps, timeout)
     cfg, name = resolve(config, overrides, root)
+    if inject:
+        from curry_train.validation.inject import check
+
+        check(inject, cfg)
     preflight(cfg, name)
     ledger = Ledger(root)
     rec = ledger.start("whitebox", cfg, name)
     try:
         verdict = run_whitebox(cfg, steps=steps, run_dir=ledger.path.parent / rec.run_id, timeout=timeout,
-                               cancel=cancel, break_grad_sync=break_grad_sync)
+                               cancel=cancel, inject=inject, inject_target=inject_target)
     except LaunchError as e:
         ledger.finish(rec.run_id, status="cancelled" if "cancelled" in str(e) else "failed", error=str(e)[:4000])
         raise

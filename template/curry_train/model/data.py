@@ -1,4 +1,4 @@
-"""Deterministic, learnable synthetic tokens, sliced identically for the reference and every parallel layout.
+"""Training tokens, sliced identically for the reference and every parallel layout: a synthetic stream or a file.
 
     python -c "from curry_train.model.data import global_batch; from curry_train.config import Config; print(global_batch(Config(), 0)[0][:2])"
 
@@ -6,13 +6,25 @@ The stream is a sparse Markov chain: each token has 4 successors drawn once from
 probabilities 0.7/0.15/0.1/0.05. A model can learn it (entropy ~1.0 nat vs ln V at init), so the loss falls.
 Every rank generates the *whole* global batch of a step (B*T ids, cheap) and slices its part, so the split
 never changes the data.
+
+A token file (`data.path`, data.dtype uint16 | uint32: the nanoGPT `.bin` layout, raw ids and no header, e.g.
+from `curry-train prepare-data`) is memory-mapped (numpy.memmap): row i of step s is the window
+tokens[o : o + T + 1] with o = ((s * global_batch + i) * T) mod (N - T - 1), consecutive windows through the
+file, wrapping around. A rank reads only its own rows and, under CP, only its positions (`rank_micro_batches`),
+so nothing beyond what it trains on is read or generated. Opening checks the file: missing, empty, a size that
+is not whole tokens, shorter than one sequence, or an id >= model.vocab_size is a ConfigError naming data.path.
 """
 
 from __future__ import annotations
 
+import os
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
 import torch
 
-from curry_train.config import Config
+from curry_train.config import Config, ConfigError, Problem
 
 _SUCC_PROBS = torch.tensor([0.70, 0.15, 0.10, 0.05])
 
@@ -24,6 +36,8 @@ def _successors(vocab: int, seed: int) -> torch.Tensor:
 
 def global_batch(cfg: Config, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(inputs, targets), each [global_batch, seq_len] int64, for optimizer step `step`."""
+    if cfg.data.path:
+        return file_rows(cfg, step, range(cfg.train.global_batch))
     V, B, T = cfg.model.vocab_size, cfg.train.global_batch, cfg.train.seq_len
     succ = _successors(V, cfg.train.seed)
     g = torch.Generator().manual_seed(cfg.train.seed * 1_000_003 + step)
@@ -64,3 +78,84 @@ def micro_batches(cfg: Config, inputs: torch.Tensor, targets: torch.Tensor, dp_r
         if cfg.parallel.cp > 1:
             x, y = x[:, pos], y[:, pos]  # [mb, T/cp]: this rank's head and tail chunks
         yield x, y, pos
+
+
+# --------------------------------------------------------------------------- token file (data.path)
+
+
+def _bad(message: str, fix: str) -> ConfigError:
+    return ConfigError([Problem(fields=["data.path"], message=message, fix=fix)])
+
+
+@lru_cache(maxsize=8)
+def _open(path: str, dtype: str, vocab: int, min_tokens: int, mtime_ns: int, size: int) -> np.memmap:
+    item = np.dtype(dtype).itemsize
+    if size == 0:
+        raise _bad(f"{path} is empty", "point data.path at a token file (curry-train prepare-data --text FILE "
+                   "--out FILE.bin)")
+    if size % item:
+        raise _bad(f"{path} has {size} bytes, not a whole number of {dtype} tokens",
+                   "check data.dtype (uint16 for vocabularies up to 65536, else uint32)")
+    tokens = np.memmap(path, dtype=dtype, mode="r")
+    if len(tokens) < min_tokens:
+        raise _bad(f"{path} holds {len(tokens)} tokens, fewer than one sequence needs ({min_tokens})",
+                   "use a longer file or a smaller train.seq_len")
+    top, chunk = 0, 1 << 24
+    for lo in range(0, len(tokens), chunk):  # streamed: the file need not fit in memory
+        top = max(top, int(tokens[lo:lo + chunk].max()))
+    if top >= vocab:
+        raise _bad(f"{path} holds token id {top} >= model.vocab_size={vocab}",
+                   f"set model.vocab_size >= {top + 1}, or re-tokenize with a vocabulary of {vocab}")
+    return tokens
+
+
+def token_file(cfg: Config) -> np.memmap:
+    """The memory-mapped, checked token file of `cfg.data.path` (cached per process)."""
+    path = cfg.data.path
+    try:
+        st = os.stat(path)
+    except OSError:
+        raise _bad(f"{path} does not exist", "create it with curry-train prepare-data --text FILE --out FILE.bin, "
+                   "or unset data.path for the synthetic stream") from None
+    return _open(str(path), cfg.data.dtype, cfg.model.vocab_size, cfg.train.seq_len + 2, st.st_mtime_ns, st.st_size)
+
+
+def file_rows(cfg: Config, step: int, rows, positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(inputs, targets) [len(rows), T or len(positions)] int64 of global rows `rows` of step `step`."""
+    tokens = token_file(cfg)
+    T, B = cfg.train.seq_len, cfg.train.global_batch
+    span = len(tokens) - T - 1
+    pos = np.arange(T) if positions is None else positions.numpy()
+    starts = np.array([((step * B + i) * T) % span for i in rows], dtype=np.int64)
+    idx = starts[:, None] + pos[None, :]  # [rows, T_local]: only these ids (and their successors) are read
+    x = torch.from_numpy(np.asarray(tokens[idx]).astype(np.int64))
+    y = torch.from_numpy(np.asarray(tokens[idx + 1]).astype(np.int64))
+    return x, y
+
+
+def rank_micro_batches(cfg: Config, step: int, dp_rank: int, cp_rank: int = 0):
+    """`micro_batches` of step `step` for one rank, reading only that rank's rows and positions from a token
+    file; the synthetic stream is generated whole and sliced (it is defined for the whole batch)."""
+    if not cfg.data.path:
+        yield from micro_batches(cfg, *global_batch(cfg, step), dp_rank, cp_rank)
+        return
+    mb, n = cfg.train.micro_batch, cfg.num_microbatches
+    pos = cp_positions(cfg.train.seq_len, cfg.parallel.cp, cp_rank)
+    for m in range(n):
+        lo = dp_rank * mb * n + m * mb
+        x, y = file_rows(cfg, step, range(lo, lo + mb), pos if cfg.parallel.cp > 1 else None)
+        yield x, y, pos
+
+
+def prepare_text(text: str | Path, out: str | Path) -> dict[str, int | str]:
+    """Byte-level tokens (vocab 256, no tokenizer) of a text file, written as uint16 to `out` atomically."""
+    src, dst = Path(text), Path(out)
+    data = src.read_bytes()
+    if not data:
+        raise _bad(f"{src} is empty", "give prepare-data a text file with some content")
+    ids = np.frombuffer(data, dtype=np.uint8).astype(np.uint16)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dst.with_name(f".{dst.name}.{os.getpid()}.tmp")
+    ids.tofile(tmp)
+    os.replace(tmp, dst)
+    return {"out": str(dst), "tokens": int(len(ids)), "dtype": "uint16", "vocab_size": 256}

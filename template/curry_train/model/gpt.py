@@ -158,23 +158,49 @@ def _std(name: str, m: ModelConfig) -> float | None:
     return 0.02
 
 
+def init_tensor(name: str, shape: tuple[int, ...] | torch.Size, m: ModelConfig, seed: int) -> torch.Tensor:
+    """The full fp32 initial value of parameter `name` on the CPU, from its own generator seeded by (seed, name).
+
+    Nothing else enters, so the single-device reference and every layout (each materialising only its local
+    shard of this tensor, parallel/materialize.py) start from identical weights. One full tensor is allocated
+    (randn, then scaled in place): the largest of these is the init-peak term above the local shards.
+    """
+    std = _std(name, m)
+    if std is None:
+        return torch.ones(shape)
+    g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+    return torch.randn(shape, generator=g, dtype=torch.float32).mul_(std)
+
+
 @torch.no_grad()
 def init_weights(model: nn.Module, m: ModelConfig, seed: int) -> None:
     """Each parameter from its own generator seeded by (seed, name): identical for any layout or subset."""
     for name, p in model.named_parameters():
-        std = _std(name, m)
-        if std is None:
-            p.fill_(1.0)
-            continue
-        g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-        p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float32) * std)
+        p.copy_(init_tensor(name, p.shape, m, seed))
+
+
+def reset_buffers(model: nn.Module) -> None:
+    """Recompute the RoPE tables of a model (or pipeline stage) built on the meta device (they are not state)."""
+    if getattr(model, "rope_cos", None) is None:
+        return
+    m = model.model_args
+    cos, sin = rope_tables(m.d_model // m.n_heads, model.rope_cos.shape[0], m.rope_theta)
+    device = model.rope_cos.device
+    model.rope_cos, model.rope_sin = cos.to(device), sin.to(device)
 
 
 def build_model(cfg: Config) -> Transformer:
-    """The full fp32 model on CPU, initialised from the seed only (the reference and every rank start here)."""
+    """The full fp32 model on CPU, initialised from the seed only (the single-device reference starts here)."""
     model = Transformer(cfg)
     init_weights(model, cfg.model, cfg.train.seed)
     return model
+
+
+def build_meta_model(cfg: Config) -> Transformer:
+    """The model's structure with no storage (device "meta"): every rank shards it first and materialises only
+    its local shards afterwards (parallel/materialize.py), so no rank ever holds the full model."""
+    with torch.device("meta"):
+        return Transformer(cfg)
 
 
 def count_params(model: nn.Module) -> int:

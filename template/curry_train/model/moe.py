@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from curry_train.config import ModelConfig
+from curry_train.model.experts import Experts
 from curry_train.parallel import comms
 
 
@@ -47,9 +48,58 @@ def capacity_keep(experts: torch.Tensor, num_experts: int, cap: int | None) -> t
     if cap is None:
         return torch.ones_like(experts, dtype=torch.bool)
     slot_major = experts.t().reshape(-1)  # [K*N] priority order
-    onehot = F.one_hot(slot_major, num_experts)  # [K*N, E]
+    # a comparison, not F.one_hot, whose range check reads the ids back to the host on CUDA
+    onehot = (slot_major.unsqueeze(1) == torch.arange(num_experts, device=experts.device)).long()  # [K*N, E]
     position = ((onehot.cumsum(0) - 1) * onehot).sum(-1)  # [K*N] rank of the slot within its expert
     return (position < cap).view(experts.shape[1], experts.shape[0]).t()  # [N, K]
+
+
+def _histogram(ids: torch.Tensor, n: int) -> torch.Tensor:
+    """bincount(ids, minlength=n) without a host sync (CUDA's bincount reads max(ids) back to size its output)."""
+    return torch.zeros(n, dtype=torch.long, device=ids.device).scatter_add_(0, ids, torch.ones_like(ids))
+
+
+def capacity_keep_cp(experts: torch.Tensor, batch: int, m: ModelConfig, group: Any) -> torch.Tensor:
+    """capacity_keep over whole sequences when context parallel splits them (issue 17).
+
+    experts [N, K] of this cp rank's tokens, rows (b, local t), N = batch * T/cp. The expert ids of every cp
+    rank are all-gathered (N*K integers, not differentiable), put back at their global positions
+    (data.cp_positions), and the priority order is that of the full [batch, T] micro-batch the single-device
+    reference routes; this rank keeps its own slots of the result -> [N, K].
+    """
+    from curry_train.model.data import cp_positions
+
+    cp, rank, K = comms.group_size(group), comms.group_rank(group), experts.shape[1]
+    Tl = experts.shape[0] // batch
+    T = Tl * cp
+    local = experts.view(batch, Tl, K).transpose(0, 1).contiguous()  # [Tl, batch, K]
+    gathered = comms.all_gather_dim0(local, group)  # [cp * Tl, batch, K], rank j's rows at j*Tl
+    pos = torch.cat([cp_positions(T, cp, j) for j in range(cp)]).to(experts.device)  # [T]
+    full = torch.empty_like(gathered).index_copy_(0, pos, gathered)  # [T, batch, K] in sequence order
+    keep = capacity_keep(full.transpose(0, 1).reshape(batch * T, K), m.num_experts, capacity(batch * T, m))
+    mine = cp_positions(T, cp, rank).to(experts.device)
+    return keep.view(batch, T, K)[:, mine].reshape(-1, K)  # [N, K]
+
+
+class AuxLossBackward(torch.autograd.Function):
+    """Identity on the activation whose backward also starts the backward of a side loss (Megatron-LM
+    `MoEAuxLossAutoScaler`, megatron/core/transformer/moe/moe_utils.py).
+
+    A pipeline schedule backpropagates only from the last stage's loss; an earlier stage's router losses are not
+    part of it. Attached to the MoE output, this gives `aux` the gradient `scale` when the backward reaches the
+    MoE layer, so every stage's router losses reach the weights without going through the schedule's loss.
+    """
+
+    @staticmethod
+    def forward(ctx, y: torch.Tensor, aux: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.save_for_backward(aux)
+        ctx.scale = scale
+        return y
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (aux,) = ctx.saved_tensors
+        return grad, torch.full_like(aux, ctx.scale), None
 
 
 class TopKRouter(nn.Module):
@@ -65,7 +115,7 @@ class TopKRouter(nn.Module):
         self.gate = nn.Linear(m.d_model, m.num_experts, bias=False)  # weight [E, D]
         self.stats_group: Any = None  # set by apply_cp: ranks holding other tokens of the same sequences
 
-    def forward(self, x: torch.Tensor) -> Routing:  # x [N, D]
+    def forward(self, x: torch.Tensor, batch: int = 1) -> Routing:  # x [N, D], N = batch * local T
         m = self.m
         dtype = torch.promote_types(x.dtype, torch.float32)  # at least fp32
         with torch.autocast(x.device.type, enabled=False):
@@ -73,37 +123,23 @@ class TopKRouter(nn.Module):
         probs = logits.softmax(-1)  # [N, E]
         top_p, top_e = probs.topk(m.top_k, dim=-1)  # [N, K]
         weights = top_p / top_p.sum(-1, keepdim=True)
-        keep = capacity_keep(top_e, m.num_experts, capacity(x.shape[0], m))
+        if m.capacity_factor > 0 and comms.group_size(self.stats_group) > 1:  # CP: capacity per whole sequence
+            keep = capacity_keep_cp(top_e, batch, m, self.stats_group)
+        else:
+            keep = capacity_keep(top_e, m.num_experts, capacity(x.shape[0], m))
         aux = None
         if m.aux_loss_coef > 0:
             # Switch load balance (Fedus et al. 2021, eq. 4-6, top-k form as in GShard): E * sum_e f_e * P_e,
             # f_e = share of the N*K routing slots that chose e (not differentiable), P_e = mean router prob.
             # Under CP f counts the whole sequences (summed over stats_group); the loss is then linear in the
             # local P, so the dp x cp gradient mean of the per-rank losses is the full-sequence loss's gradient.
-            counts = torch.bincount(top_e.flatten(), minlength=m.num_experts).float()  # [E]
+            counts = _histogram(top_e.flatten(), m.num_experts).float()  # [E]
             f = comms.all_reduce_sum_(counts, self.stats_group) / counts.sum()
             aux = m.aux_loss_coef * m.num_experts * (f * probs.mean(0)).sum()
         if m.z_loss_coef > 0:  # ST-MoE router z-loss (Zoph et al. 2022, eq. 5): mean logsumexp^2
             z = m.z_loss_coef * torch.logsumexp(logits, -1).pow(2).mean()
             aux = z if aux is None else aux + z
         return Routing(experts=top_e, weights=weights, keep=keep, aux_loss=aux)
-
-
-class Experts(nn.Module):
-    """El SwiGLU experts as stacked weights (w1/w3 [El, D, F] gate/up, w2 [El, F, D] down), applied to row
-    groups: one GEMM per expert over its contiguous rows (a grouped GEMM; no padding to capacity)."""
-
-    def __init__(self, num_experts: int, d_model: int, d_ff: int):
-        super().__init__()
-        self.w1 = nn.Parameter(torch.empty(num_experts, d_model, d_ff))
-        self.w3 = nn.Parameter(torch.empty(num_experts, d_model, d_ff))
-        self.w2 = nn.Parameter(torch.empty(num_experts, d_ff, d_model))
-
-    def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """x [R, D] grouped by local expert, counts[e] rows for expert e -> [R, D]. Every expert runs, even on 0
-        rows, so every rank's autograd graph (and hence its gradient-reduction sequence) has the same shape."""
-        outs = [(F.silu(xe @ self.w1[e]) * (xe @ self.w3[e])) @ self.w2[e] for e, xe in enumerate(x.split(counts))]
-        return torch.cat(outs)  # [R, D]
 
 
 class MoE(nn.Module):
@@ -119,50 +155,70 @@ class MoE(nn.Module):
         self.router = TopKRouter(m)
         self.experts = Experts(m.num_experts, m.d_model, m.d_ff)
         self.ep_group: Any = None  # set by apply_ep; None = all experts local
+        # set by apply_pp: the router losses get their gradient in backward (AuxLossBackward), not via the loss
+        self.aux_grad_scale: float | None = None
         self.aux_loss: torch.Tensor | None = None
         self.tokens_per_expert: torch.Tensor | None = None
         self.tokens_received: torch.Tensor | None = None
         self.dropped_slots = 0
+        self.host_syncs = 0  # device-to-host reads made by forward (tests count them: one per layer call)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [B, T, D]
         B, T, D = x.shape
         K, E = self.m.top_k, self.m.num_experts
         xf = x.reshape(-1, D)  # [N, D]
-        r = self.router(xf)
+        r = self.router(xf, batch=B)
         self.aux_loss = r.aux_loss
 
         # Dispatch order: kept slots sorted by expert id (stable, so token order within an expert), which is
-        # also destination-rank order because rank j owns experts [j*El, (j+1)*El).
-        flat_e, kept = r.experts.flatten(), r.keep.flatten().nonzero().squeeze(1)  # [S], [S_kept]
-        order = kept[torch.argsort(flat_e[kept], stable=True)]  # [S_kept] slot ids grouped by expert
-        counts = torch.bincount(flat_e[kept], minlength=E)  # [E]
-        self.tokens_per_expert, self.dropped_slots = counts.detach(), int(flat_e.numel() - kept.numel())
-        y_sent = self._run_experts(xf[order // K], counts)  # [S_kept, D], rows in `order`
+        # also destination-rank order because rank j owns experts [j*El, (j+1)*El). Dropped slots sort last
+        # (key E) and are cut off once the kept count is known; no nonzero() (a host sync) to find them.
+        flat_e = r.experts.flatten()  # [S]
+        key = torch.where(r.keep.flatten(), flat_e, E)  # [S]
+        order = torch.argsort(key, stable=True)  # [S]: kept slots grouped by expert, then the dropped ones
+        counts = _histogram(key, E + 1)[:E]  # [E] kept slots per expert
+        y_sent, n_kept = self._run_experts(xf, order, counts)  # [S_kept, D], rows in `order`
+        order = order[:n_kept]
+        self.tokens_per_expert, self.dropped_slots = counts.detach(), flat_e.numel() - n_kept
 
         # Combine: dropped slots contribute 0 (the residual carries the token, Fedus et al. 2021 §2.2).
         y_slots = y_sent.new_zeros(flat_e.numel(), D).index_copy(0, order, y_sent)  # [S, D]
         y = (y_slots.view(-1, K, D) * r.weights.to(y_slots.dtype).unsqueeze(-1)).sum(1)  # [N, D]
+        if self.aux_grad_scale is not None and r.aux_loss is not None and torch.is_grad_enabled():
+            y = AuxLossBackward.apply(y, r.aux_loss, self.aux_grad_scale)
         return y.view(B, T, D)
 
-    def _run_experts(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """x [S_kept, D] grouped by global expert id, counts [E] -> expert outputs in the same row order."""
-        group = self.ep_group
+    def _run_experts(self, xf: torch.Tensor, order: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """xf [N, D] tokens, order [S] slots grouped by global expert id (kept first), counts [E] kept slots per
+        expert -> (expert outputs of the kept slots in `order`'s row order [S_kept, D], S_kept).
+
+        The one host read of the layer: the all-to-all needs its split sizes as Python ints, so the send and
+        receive counts come back together in a single `.tolist()` (`host_syncs` counts it; the kernels take the
+        group sizes on the device)."""
+        group, K = self.ep_group, self.m.top_k
         ep = comms.group_size(group)
         El = self.m.num_experts // ep
-        recv_counts = comms.exchange_counts(counts, group).view(ep, El)  # [src rank, local expert]
-        in_splits = counts.view(ep, El).sum(1).tolist()  # rows to each destination rank
-        out_splits = recv_counts.sum(1).tolist()  # rows from each source rank
-        recv = comms.all_to_all(x, out_splits, in_splits, group)  # [R, D] ordered (src, local expert)
-        per_expert = recv_counts.sum(0)  # [El]
-        self.tokens_received = per_expert.detach()
+        recv_counts = comms.exchange_counts(counts, group)  # [ep * El]: [src rank, local expert]
+        host = torch.cat([counts, recv_counts]).tolist()
+        self.host_syncs += 1
+        sent, recv = host[: ep * El], host[ep * El:]
+        n_kept = sum(sent)
+        x = xf[order[:n_kept] // K]  # [S_kept, D]
+        in_splits = [sum(sent[j * El:(j + 1) * El]) for j in range(ep)]  # rows to each destination rank
+        out_splits = [sum(recv[j * El:(j + 1) * El]) for j in range(ep)]  # rows from each source rank
+        per_expert = [sum(recv[j * El + e] for j in range(ep)) for e in range(El)]
+        per_expert_t = recv_counts.view(ep, El).sum(0)  # [El] on the device
+        self.tokens_received = per_expert_t.detach()
+        recv_x = comms.all_to_all(x, out_splits, in_splits, group)  # [R, D] ordered (src, local expert)
         if ep == 1:
-            return self.experts(recv, per_expert.tolist())
+            return self.experts(recv_x, per_expert, per_expert_t), n_kept
         # (src, expert) -> (expert, src) so each expert's rows are contiguous, run, then restore (src, expert).
-        local_e = torch.arange(El, device=x.device).repeat(ep).repeat_interleave(recv_counts.flatten())  # [R]
+        R = sum(out_splits)
+        local_e = torch.arange(El, device=x.device).repeat(ep).repeat_interleave(recv_counts, output_size=R)
         perm = torch.argsort(local_e, stable=True)  # [R]
-        y = self.experts(recv[perm], per_expert.tolist())
+        y = self.experts(recv_x[perm], per_expert, per_expert_t)
         y = torch.zeros_like(y).index_copy(0, perm, y)  # [R, D] back in (src, expert) order
-        return comms.all_to_all(y, in_splits, out_splits, group)  # [S_kept, D]
+        return comms.all_to_all(y, in_splits, out_splits, group), n_kept  # [S_kept, D]
 
 
 def moe_layers(model: nn.Module) -> list[tuple[str, MoE]]:

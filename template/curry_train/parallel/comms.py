@@ -17,9 +17,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+# torch 2.13 renamed all_gather_into_tensor to all_gather_single (pytorch#186123) and kept the old name as a
+# deprecated alias (FutureWarning); the old spelling (torch >= 1.13) serves an older torch. compat.py keeps the
+# minimum torch and the API-by-API table.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 
 def group_size(group: Any) -> int:
     return 1 if group is None else dist.get_world_size(group)
+
+
+def group_rank(group: Any) -> int:
+    return 0 if group is None else dist.get_rank(group)
 
 
 # --------------------------------------------------------------------------- all-to-all (expert parallel)
@@ -78,7 +87,7 @@ def all_gather_dim0(t: torch.Tensor, group: Any) -> torch.Tensor:
         return t
     t = t.contiguous()
     out = t.new_empty((group_size(group) * t.shape[0], *t.shape[1:]))
-    dist.all_gather_single(out, t, group=group)
+    _all_gather_single(out, t, group=group)
     return out
 
 

@@ -8,9 +8,11 @@ tokens, Tq/Tk rows of one block, Dh head dim, cp ring size, r this rank's ring i
 
 Ring attention (Liu et al. 2023, arXiv:2310.01889, §3): K/V travel around the ring; at step s rank r holds the
 K/V of rank (r - s) mod cp and merges that block's softmax into its running output by log-sum-exp
-(Milakov & Gimelshein 2018, "Online normalizer calculation for softmax"). The backward is the flash-attention
-backward per block (Dao et al. 2022, arXiv:2205.14135, Alg. 4) with the *final* LSE, while dK/dV ride the ring
-with K/V and arrive home after cp shifts. Only q, k, v, out and LSE are saved: O(Tl) activations per rank.
+(Milakov & Gimelshein 2018, "Online normalizer calculation for softmax"). Every block runs torch's fused
+attention kernel that returns its LSE (the flash kernel on CPU, the memory-efficient one elsewhere), so no
+[Tq, Tk] score tile is ever stored. The backward is the fused flash-attention backward per block (Dao et al.
+2022, arXiv:2205.14135, Alg. 4) with the *final* out and LSE, while dK/dV ride the ring with K/V and arrive home
+after cp shifts. Only q, k, v, out and LSE are saved: O(Tl) activations per rank.
 
 Causality by global positions: a block (query run, key run) is skipped when every key is in the future, runs
 unmasked when every key is in the past, and is masked by `q_pos >= k_pos` otherwise. With data.cp_positions'
@@ -22,7 +24,6 @@ uses the global positions (model.forward(tokens, positions)).
 from __future__ import annotations
 
 import itertools
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -73,80 +74,111 @@ def attention_work(seq_len: int, cp: int, positions: Callable[[int, int, int], t
     return out
 
 
-def _block_scores(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
-    s = q @ k.unsqueeze(2).transpose(-1, -2) * scale  # [B, G, rep, Tq, Dh] x [B, G, 1, Dh, Tk] -> [.., Tq, Tk]
-    return s if mask is None else s.masked_fill(~mask, float("-inf"))
+def _attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """One block through torch's fused attention that also returns the log-sum-exp: (out [B, H, Tq, Dh] in the
+    input dtype, lse [B, H, Tq] fp32). CPU: the flash kernel (torch-cpu-distributed notes, item 14); other
+    devices: the memory-efficient kernel, as torch's own ring attention uses it
+    (torch/distributed/tensor/experimental/_context_parallel/_attention.py). Neither stores a Tq x Tk tile."""
+    if q.device.type == "cpu":
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)
+    out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal)[:2]
+    return out, lse[..., : q.shape[2]]
+
+
+def _attn_bwd(dout, q, k, v, out, lse, causal: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The block's (dq, dk, dv) given the *merged* output and LSE of the whole ring (so P = exp(S - lse_final)
+    and rowsum(dO * O) are those of the full softmax: the block's exact share of the gradient)."""
+    if q.device.type == "cpu":
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(dout, q, k, v, out, lse, 0.0,
+                                                                                   causal)
+    zero = torch.zeros((), dtype=torch.int64, device=q.device)  # philox seed/offset: no dropout
+    return torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+        dout, q, k, v, None, out, lse.contiguous(), zero, zero, 0.0, [True, True, True, False], causal)[:3]
+
+
+def _rep(t: torch.Tensor, rep: int) -> torch.Tensor:
+    """GQA: kv head g serves query heads g*rep .. g*rep+rep-1 (the fused CPU kernel takes equal head counts)."""
+    return t if rep == 1 else t.repeat_interleave(rep, dim=1)
+
+
+def _unrep(t: torch.Tensor, rep: int) -> torch.Tensor:
+    """Sum a [B, H, T, Dh] kv-gradient over the query heads that shared each kv head -> [B, G, T, Dh]."""
+    return t if rep == 1 else t.unflatten(1, (-1, rep)).sum(2)
 
 
 class RingAttention(torch.autograd.Function):
     """Forward: out [B, H, Tl, Dh] of causal attention of local queries over all ranks' keys.
     Backward: dq locally; dk/dv accumulated by each rank they visit and returned to their owner.
-    Every rank runs cp-1 K/V shifts forward and cp-1 K/V + cp dK/dV shifts backward (no skipped pairs)."""
+    Every rank runs cp-1 K/V shifts forward and cp-1 K/V + cp dK/dV shifts backward (no skipped pairs).
+
+    Each block runs torch's fused attention with its LSE (_attn_fwd); blocks merge exactly by log-sum-exp
+    (Milakov & Gimelshein 2018): out = sum_b exp(lse_b - lse) * out_b, lse = logsumexp_b lse_b. The backward
+    reruns each block's fused backward with the merged out and lse (Dao 2023, FlashAttention-2 §3.1.2; the same
+    decomposition as zhuzilin/ring-flash-attention). Saved per layer: q, k, v, out and the fp32 lse only."""
 
     @staticmethod
     def forward(ctx, q, k, v, group, plans: list[list], rank: int):
-        """plans[src] = plan_blocks(my positions, rank src's positions)."""
-        cp, dtype = len(plans), q.dtype
-        H, Dh, G = q.shape[1], q.shape[3], k.shape[1]
-        scale = 1.0 / math.sqrt(Dh)
+        """plans[src] = [(query rows, key rows, causal)] for my positions against rank src's."""
+        cp, rep = len(plans), q.shape[1] // k.shape[1]
         ring = RingExchange(group)
-        q5 = q.float().unflatten(1, (G, H // G))  # [B, G, rep, Tl, Dh]; query head h uses kv head h // rep
-        out = torch.zeros_like(q5)
-        lse = torch.full(q5.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)  # [B, G, rep, Tl]
+        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)  # [B, H, Tl, Dh] running merge
+        lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)  # [B, H, Tl]
         kv = torch.stack([k, v])  # [2, B, G, Tl, Dh], travels in the input dtype
         with torch.autocast(q.device.type, enabled=False):
             for step in range(cp):
                 if step < cp - 1:
                     ring.start(kv)  # next block's transfer overlaps this block's compute
-                src = (rank - step) % cp
-                kf, vf = kv[0].float(), kv[1].float()
-                for qs, ks, mask in plans[src]:
-                    s = _block_scores(q5[..., qs, :], kf[..., ks, :], mask, scale)  # [B, G, rep, Tq, Tk]
-                    # a row whose keys are all masked gets a finite -1e30 LSE and contributes exactly 0
-                    lse_b = torch.logsumexp(s, -1).clamp_min(-1e30)  # [B, G, rep, Tq]
-                    o_b = torch.exp(s - lse_b.unsqueeze(-1)) @ vf[..., ks, :].unsqueeze(2)  # [B, G, rep, Tq, Dh]
-                    new = torch.logaddexp(lse[..., qs], lse_b)
-                    keep_old, take_new = torch.exp(lse[..., qs] - new), torch.exp(lse_b - new)  # [B, G, rep, Tq]
-                    out[..., qs, :] = out[..., qs, :] * keep_old.unsqueeze(-1) + o_b * take_new.unsqueeze(-1)
+                kr, vr = _rep(kv[0], rep), _rep(kv[1], rep)  # [B, H, Tl, Dh]
+                for qs, ks, causal in plans[(rank - step) % cp]:
+                    o_b, lse_b = _attn_fwd(q[:, :, qs], kr[:, :, ks], vr[:, :, ks], causal)
+                    new = torch.logaddexp(lse[..., qs], lse_b)  # [B, H, Tq]
+                    out[:, :, qs] = (out[:, :, qs] * torch.exp(lse[..., qs] - new).unsqueeze(-1)
+                                     + o_b.float() * torch.exp(lse_b - new).unsqueeze(-1))
                     lse[..., qs] = new
                 if step < cp - 1:
                     kv = ring.wait()
+        out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.group, ctx.plans, ctx.rank = group, plans, rank
-        return out.flatten(1, 2).to(dtype)
+        return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         plans, rank = ctx.plans, ctx.rank
-        cp, G = len(plans), k.shape[1]
-        scale = 1.0 / math.sqrt(q.shape[-1])
+        cp, rep = len(plans), q.shape[1] // k.shape[1]
         ring = RingExchange(ctx.group)
-        q5 = q.float().unflatten(1, (G, q.shape[1] // G))
-        do5 = dout.float().unflatten(1, (G, q.shape[1] // G))  # [B, G, rep, Tl, Dh]
-        delta = (do5 * out).sum(-1)  # [B, G, rep, Tl] = rowsum(dO * O)
-        dq = torch.zeros_like(q5)
+        dout = dout.to(q.dtype).contiguous()
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         kv = torch.stack([k, v])
         dkv = torch.zeros(kv.shape, dtype=torch.float32, device=k.device)  # grads of the K/V block held now
         with torch.autocast(q.device.type, enabled=False):
             for step in range(cp):
                 if step < cp - 1:
                     ring.start(kv)
-                src = (rank - step) % cp
-                kf, vf = kv[0].float(), kv[1].float()
-                for qs, ks, mask in plans[src]:
-                    s = _block_scores(q5[..., qs, :], kf[..., ks, :], mask, scale)
-                    p = torch.exp(s - lse[..., qs].unsqueeze(-1))  # [B, G, rep, Tq, Tk] final probabilities
-                    do_b = do5[..., qs, :]
-                    dkv[1, ..., ks, :] += (p.transpose(-1, -2) @ do_b).sum(2)  # dV
-                    dp = do_b @ vf[..., ks, :].unsqueeze(2).transpose(-1, -2)  # [B, G, rep, Tq, Tk]
-                    ds = p * (dp - delta[..., qs].unsqueeze(-1)) * scale
-                    dq[..., qs, :] += ds @ kf[..., ks, :].unsqueeze(2)
-                    dkv[0, ..., ks, :] += (ds.transpose(-1, -2) @ q5[..., qs, :]).sum(2)  # dK
+                kr, vr = _rep(kv[0], rep), _rep(kv[1], rep)
+                for qs, ks, causal in plans[(rank - step) % cp]:
+                    dq_b, dk_b, dv_b = _attn_bwd(dout[:, :, qs], q[:, :, qs], kr[:, :, ks], vr[:, :, ks],
+                                                 out[:, :, qs], lse[..., qs], causal)
+                    dq[:, :, qs] += dq_b
+                    dkv[0, :, :, ks] += _unrep(dk_b.float(), rep)
+                    dkv[1, :, :, ks] += _unrep(dv_b.float(), rep)
                 if step < cp - 1:
                     kv = ring.wait()
                 dkv = ring.shift(dkv)  # to the next holder of this block; the cp-th shift brings ours home
-        return dq.flatten(1, 2).to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
+
+
+def _fused_plan(plan: list[tuple[slice, slice, Any]]) -> list[tuple[slice, slice, bool]]:
+    """plan_blocks' masks as the fused kernels' is_causal flag: with chunk-aligned blocks a masked block is a
+    square diagonal block (same positions on both sides), which is exactly top-left causal."""
+    out = []
+    for qs, ks, mask in plan:
+        if mask is not None and not (mask.shape[0] == mask.shape[1] and torch.equal(mask, mask.new_ones(
+                mask.shape).tril())):
+            raise ValueError("ring attention needs chunk-aligned blocks: seq_len must split into 2*cp chunks")
+        out.append((qs, ks, mask is not None))
+    return out
 
 
 class RingCoreAttention(nn.Module):
@@ -164,7 +196,7 @@ class RingCoreAttention(nn.Module):
         if key not in self._plans:
             pos = [self.positions(key[0], self.cp, j).to(q.device) for j in range(self.cp)]
             chunk = max(1, key[0] // (2 * self.cp))  # the head-tail chunk: its diagonal block is half masked
-            plans = [plan_blocks(pos[self.rank], pos[src], chunk) for src in range(self.cp)]
+            plans = [_fused_plan(plan_blocks(pos[self.rank], pos[src], chunk)) for src in range(self.cp)]
             pairs = sum((qs.stop - qs.start) * (ks.stop - ks.start) for p in plans for qs, ks, _ in p)
             self._plans[key] = (plans, pairs)
         plans, pairs = self._plans[key]
@@ -178,8 +210,9 @@ def apply_cp(model: nn.Module, mesh: Any, cfg: Config) -> None:
     The data side is already sharded by data.micro_batches (each cp rank gets its cp_positions of every
     sequence, and the model gets those global positions for RoPE); the loss is a mean over local tokens and
     dp_cp averaging makes it the global mean, since every rank holds the same number of tokens.
-    MoE: the routers' load-balance counts are summed over the cp group. Capacity (capacity_factor > 0) stays
-    per rank, i.e. per T/cp tokens, which the full-sequence reference does not reproduce.
+    MoE: the routers' load-balance counts are summed over the cp group, and capacity (capacity_factor > 0) is
+    decided over the whole sequences (moe.capacity_keep_cp gathers the cp ranks' expert ids), as the
+    full-sequence reference decides it.
     """
     cp_mesh = mesh["cp"]
     group, cp, rank = cp_mesh.get_group(), cp_mesh.size(), cp_mesh.get_local_rank()

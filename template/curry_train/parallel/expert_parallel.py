@@ -17,7 +17,8 @@ dp * cp, the same mean-over-ranks the rest of the model gets:
     `require_backward_grad_sync` flag), one flat all-reduce per backward.
   * FSDP2 (zero 2/3): fsdp.py calls `fully_shard_experts` before wrapping the blocks: each Experts module gets
     its own FSDP unit over edp_cp with gradient divide factor dp * cp (torchtitan's MoE layout); the block's
-    fully_shard then skips those already-managed params.
+    fully_shard then skips those already-managed params. Sharded on the expert dim when El % edp_cp == 0,
+    else on a hidden dim (expert_shard_placement), so a rank holds 1/(ep * edp_cp) of the experts.
 ep = 1 changes nothing: the experts are ordinary replicated params under DDP/FSDP.
 
 White-box: each expert param carries `_curry_gather` (all-gather over the ep group, dim 0), which maps the
@@ -103,16 +104,30 @@ def sync_expert_grads(ddp: nn.Module, mesh: Any, cfg: Config) -> None:
 
     def hook(_: torch.Tensor) -> None:
         # First expert grad of a syncing backward: reduce all of them once autograd finishes (DDP queues its
-        # own bucket finalisation the same way).
-        if ddp.require_backward_grad_sync and not state["queued"]:
+        # own bucket finalisation the same way). Under a pipeline schedule the flag stays False (the schedule
+        # arms DDP's reducer directly, torch pipelining stage.backward_maybe_with_nosync), so the pipeline
+        # calls `_curry_reduce_experts` itself after the step (pipeline.finish_expert_grads).
+        if ddp.require_backward_grad_sync and not getattr(ddp, "_curry_manual_expert_sync", False) \
+                and not state["queued"]:
             state["queued"] = True
             torch.autograd.Variable._execution_engine.queue_callback(reduce_all)
 
     for p in params:
         p.register_post_accumulate_grad_hook(hook)
+    ddp._curry_reduce_experts = reduce_all
 
 
 # --------------------------------------------------------------------------- FSDP2 (zero 2 / 3)
+
+
+def expert_shard_placement(local_experts: int, edp: int) -> Any:
+    """FSDP2 placement of a stacked expert weight [El, D, F] over the edp ranks: dim 0 (whole experts) when
+    they split evenly, else dim 1 (a hidden dimension), so every rank holds 1/(ep * edp) of the expert weights
+    whatever the ratio of experts to ranks (torchtitan's `shard_placement_fn` for MoE under FSDP2). Sharding
+    dim 0 with El < edp would leave some ranks only padding and others whole experts."""
+    from torch.distributed.tensor import Shard
+
+    return Shard(0) if local_experts % edp == 0 else Shard(1)
 
 
 def fully_shard_experts(model: nn.Module, mesh: Any, cfg: Config, **fsdp_kwargs: Any) -> None:
@@ -123,8 +138,9 @@ def fully_shard_experts(model: nn.Module, mesh: Any, cfg: Config, **fsdp_kwargs:
     from torch.distributed.fsdp import fully_shard
 
     ep_mesh, edp = ep_meshes(mesh, cfg.parallel.ep)
+    placement = expert_shard_placement(cfg.model.num_experts // cfg.parallel.ep, edp.size())
     for _, moe in moe_layers(model):
-        fully_shard(moe.experts, mesh=edp, **fsdp_kwargs)
+        fully_shard(moe.experts, mesh=edp, shard_placement_fn=lambda _p, pl=placement: pl, **fsdp_kwargs)
         moe.experts.set_gradient_divide_factor(float(cfg.parallel.dp * cfg.parallel.cp))
         if edp.size() > 1:
             # gloo has no PREMUL_SUM: reduce with SUM, then divide. Not on a 1-rank mesh, where FSDP2 (torch

@@ -17,6 +17,10 @@ it reduce-scatters the unit's gradients, so each rank keeps 1/d of params, grads
 
 Units: one per transformer block plus the root (embedding, final norm, LM head and whatever the blocks leave),
 as torchtitan `apply_fsdp` does: the all-gather of block i+1 overlaps the compute of block i.
+HSDP (parallel.dp_replicate = r > 1): the same units on a 2-D mesh (r replicas x dp*cp/r shards): parameters,
+gradients and AdamW state are sharded r times less finely, and each gradient shard is all-reduced across the r
+replicas after its reduce-scatter (FSDP2's HYBRID_SHARD). The shard group sits inside a node when it fits, so
+only the all-reduce of shards crosses nodes.
 Mixed precision (train.dtype=bfloat16): bf16 all-gather and compute, fp32 master shards, fp32 reduce-scatter
 (Micikevicius et al. 2018, "Mixed Precision Training", §3: fp32 master weights and accumulation).
 Composes with TP (params already DTensors on mesh["tp"] become 2-D `(_StridedShard, Shard)` params), with a
@@ -32,7 +36,7 @@ import torch
 from torch import nn
 
 from curry_train.config import Config
-from curry_train.mesh import dp_cp_mesh
+from curry_train.mesh import fsdp_mesh
 
 
 def fsdp_kwargs(cfg: Config) -> dict[str, Any]:
@@ -51,7 +55,7 @@ def apply_fsdp(model: nn.Module, mesh: Any, cfg: Config) -> None:
     from torch.distributed.fsdp import fully_shard
 
     kwargs = fsdp_kwargs(cfg)
-    dp_mesh = dp_cp_mesh(mesh)
+    dp_mesh = fsdp_mesh(mesh, cfg.parallel.dp_replicate)  # 2-D for HSDP (mesh.py fsdp_mesh)
     if cfg.model.num_experts > 0:
         # Expert shards are summed over edp_cp, not dp_cp: they get their own units first, and the block's
         # fully_shard below skips the params those units already manage (expert_parallel.py docstring).

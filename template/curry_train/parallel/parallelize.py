@@ -26,16 +26,9 @@ from torch import nn
 
 from curry_train.config import Config
 from curry_train.mesh import Topology, dp_cp_mesh
+from curry_train.parallel.materialize import canonical_name, global_shapes, is_meta, materialize
 
-# Wrapper prefixes that DDP / checkpoint_wrapper / torch.compile add to parameter names.
-_WRAPPER_PREFIXES = ("module.", "_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
-
-
-def canonical_name(name: str) -> str:
-    """Map a wrapped parameter name back to the reference model's name."""
-    for prefix in _WRAPPER_PREFIXES:
-        name = name.replace(prefix, "")
-    return name
+__all__ = ["Parallelized", "canonical_name", "grad_reduce_group", "parallelize"]
 
 
 @dataclass
@@ -52,6 +45,7 @@ class Parallelized:
     stage_ids: list[int] = field(default_factory=list)  # pipeline stage index of each part
     loss_parallel: bool = False  # logits are vocab-sharded DTensors: compute the loss under loss_parallel()
     grad_sync: Callable[[bool], None] = lambda enabled: None  # skip the gradient reduction on accumulation steps
+    step_ctl: Any = None  # train.optim.StepControl: the optimizer step index the lr schedule and clip read
 
     def loss_context(self) -> AbstractContextManager:
         if self.loss_parallel:
@@ -68,16 +62,25 @@ class Parallelized:
 
 
 def parallelize(model: nn.Module, mesh: Any, cfg: Config, *, topo: Topology, device: torch.device) -> Parallelized:
-    """Apply every configured primitive to `model` (the full, seeded reference model) in the fixed order above."""
+    """Apply every configured primitive to `model` in the fixed order above.
+
+    `model` is normally built on the meta device (train.loop.setup): the layout is applied to the storage-less
+    model and each part is materialised (its local shards only, parallel/materialize.py) right after its last
+    sharding transform: after FSDP, or before DDP (whose constructor broadcasts the parameters). A model that
+    already has storage (the seeded reference model, tests) is moved to `device` whole, as before.
+    """
     p = cfg.parallel
-    model.to(device)
+    meta = is_meta(model)
+    shapes = global_shapes(cfg) if meta else None
+    if not meta:
+        model.to(device)
     par = Parallelized(cfg=cfg, topo=topo, mesh=mesh, device=device, parts=[model], stage_ids=[0])
 
     # 1. PP split: keep only this rank's stage(s); names stay those of the full model.
     if topo.pp > 1:
         from curry_train.parallel.pipeline import apply_pp
 
-        par.parts, par.stage_ids = apply_pp(model, mesh, cfg)
+        par.parts, par.stage_ids = apply_pp(model, mesh, cfg, device=device)
 
     for i, part in enumerate(par.parts):
         # 2. TP (+SP) on the tp axis.
@@ -99,16 +102,18 @@ def parallelize(model: nn.Module, mesh: Any, cfg: Config, *, topo: Topology, dev
             from curry_train.parallel.recompute import apply_recompute
 
             apply_recompute(part, mesh, cfg)
-        # 5. data parallel over dp x cp.
-        if topo.dp * topo.cp > 1:
-            if p.zero >= 2:
-                from curry_train.parallel.fsdp import apply_fsdp
+        # 5. data parallel over dp x cp; the local shards are materialised after FSDP or before DDP.
+        fsdp = topo.dp * topo.cp > 1 and p.zero >= 2
+        if fsdp:
+            from curry_train.parallel.fsdp import apply_fsdp
 
-                apply_fsdp(part, mesh, cfg)
-            else:
-                from curry_train.parallel.ddp import apply_ddp
+            apply_fsdp(part, mesh, cfg)
+        if meta:
+            materialize(part, cfg, device, mesh, shapes)
+        if topo.dp * topo.cp > 1 and not fsdp:
+            from curry_train.parallel.ddp import apply_ddp
 
-                par.parts[i] = apply_ddp(part, mesh, cfg)
+            par.parts[i] = apply_ddp(part, mesh, cfg)
 
     par.grad_sync = _grad_sync_fn(par)
 

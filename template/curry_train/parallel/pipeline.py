@@ -5,8 +5,9 @@
 Shape legend: B rows of this dp rank per step (= m * mb), mb micro-batch, m micro-batches, T sequence, D d_model,
 V vocab, p = pp ranks, v = pp_virtual chunks per rank, S = p * v stages, L layers.
 
-Split: S stages of L/S consecutive layers each (config.check refuses L % S != 0: the slowest stage sets the
-pace). Stage 0 also owns the embedding, stage S-1 the final norm and LM head. A stage is the full Transformer
+Split: S stages of consecutive layers, at least one each (pipeline_split.py: boundaries balance the estimated
+cost, embedding on stage 0 and head + loss on stage S-1 included; `parallel.pp_layers` overrides them; the
+slowest stage sets the pace). Stage 0 also owns the embedding, stage S-1 the final norm and LM head. A stage is the full Transformer
 with the parts it does not own removed, so its parameter names are the full model's (`layers.<i>` keeps the
 global index) and the white-box check merges stages by name.
 
@@ -39,8 +40,7 @@ from curry_train.config import Config
 from curry_train.mesh import dp_cp_mesh
 from curry_train.model.data import cp_positions, micro_batches
 from curry_train.model.gpt import lm_loss
-from curry_train.rules import pipeline_stage_ids
-from curry_train.rules import stage_layers as rules_stage_layers
+from curry_train.pipeline_split import pipeline_stage_ids, split_for, stage_layer_range
 
 SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved_1f1b": "ScheduleInterleaved1F1B"}
 
@@ -61,8 +61,9 @@ def stage_ids(pp_rank: int, cfg: Config) -> list[int]:
 
 
 def stage_layers(stage: int, cfg: Config) -> list[int]:
-    """Global layer indices of a stage: a contiguous, equal share (uneven splits are refused by config.check)."""
-    return rules_stage_layers(stage, cfg.model.n_layers, cfg.parallel.pp * cfg.parallel.pp_virtual)
+    """Global layer indices of a stage: a contiguous share, from the one split function the estimator uses too
+    (pipeline_split.split_for: cost-balanced, or parallel.pp_layers)."""
+    return list(stage_layer_range(split_for(cfg), stage))
 
 
 def build_stage_module(model: nn.Module, stage: int, cfg: Config) -> nn.Module:
@@ -96,16 +97,25 @@ def _positions_hook(positions: torch.Tensor):
     return hook
 
 
-def apply_pp(model: nn.Module, mesh: Any, cfg: Config) -> tuple[list[nn.Module], list[int]]:
-    """Split `model` into this rank's stage modules. Returns (parts, stage_ids), in schedule order."""
+def apply_pp(model: nn.Module, mesh: Any, cfg: Config, device: torch.device | None = None
+             ) -> tuple[list[nn.Module], list[int]]:
+    """Split `model` into this rank's stage modules. Returns (parts, stage_ids), in schedule order.
+    `device`: where the stages will run (the model itself may still be on "meta", parallel/materialize.py)."""
     pp_rank = mesh["pp"].get_local_rank()
     cp_rank = mesh["cp"].get_local_rank()
     ids = stage_ids(pp_rank, cfg)
-    device = next(model.parameters()).device
+    device = device or next(model.parameters()).device
     positions = cp_positions(cfg.train.seq_len, cfg.parallel.cp, cp_rank).to(device)  # [T / cp]
     parts = []
+    from curry_train.model.moe import moe_layers
+
     for s in ids:
         part = build_stage_module(model, s, cfg)
+        for _, moe in moe_layers(part):
+            # The schedule's loss is the last stage's LM loss only: every stage's router losses get their
+            # gradient in backward instead (moe.AuxLossBackward, Megatron's aux-loss scaler). Scale 1 per
+            # micro-batch, like the LM loss; the schedule then divides every gradient by m (scale_grads).
+            moe.aux_grad_scale = 1.0
         part.register_forward_pre_hook(_positions_hook(positions), with_kwargs=True)
         parts.append(part)
     return parts, ids
@@ -126,6 +136,10 @@ def build_schedule(par) -> Any:
             # too, its input-only backward never fires the hooks, and the next backward double-counts them
             # ("rebuilt parameter indices size is not same as original model parameters size").
             part.require_backward_grad_sync = False
+            # ... and with the flag off, expert_parallel's DDP hook would never reduce the expert shards:
+            # pipeline_forward_backward reduces them after the step instead (the PP+DDP+EP bug of issue 17).
+            part._curry_manual_expert_sync = True
+
     def get_mesh(names: tuple[str, ...], layout: Any) -> Any:  # rebuilds received DTensors (SP activations)
         return par.mesh[names[0] if len(names) == 1 else names]
 
@@ -162,6 +176,10 @@ def pipeline_forward_backward(par, inputs: torch.Tensor, targets: torch.Tensor) 
     # (torch 2.13 schedules.py, stage.forward_one_chunk's save_forward_output); only the losses are used here.
     with par.autocast(), par.loss_context():
         par.schedule.step(*args, return_outputs=False, **kwargs)
+    for part in par.parts:  # DDP + EP: expert shards, summed over edp_cp after the schedule scaled by 1/m
+        reduce_experts = getattr(part, "_curry_reduce_experts", None)
+        if reduce_experts is not None:
+            reduce_experts()
     loss = torch.stack([_plain(t).detach().float() for t in losses]).mean() if losses else torch.zeros(())
     loss = loss.to(par.device)
     # Only the last stage has the loss: summing over the pp group hands it to every stage ...

@@ -32,7 +32,8 @@ def train_job(spec: dict[str, Any]) -> dict[str, Any]:
         def log(rec: dict[str, Any]) -> None:
             print(json.dumps(rec), file=sys.stderr, flush=True)
 
-    return run_training(from_dict(spec["config"]), log=log)
+    return run_training(from_dict(spec["config"]), log=log, checkpoint_dir=spec.get("checkpoint_dir"),
+                        save_every=int(spec.get("save_every") or 0), resume=spec.get("resume"))
 
 
 def selftest_job(spec: dict[str, Any]) -> dict[str, Any]:

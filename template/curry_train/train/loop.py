@@ -22,10 +22,11 @@ import torch
 import torch.distributed as dist
 
 from curry_train.config import Config, ConfigError, load_config, parse_sets
-from curry_train.model.data import global_batch, micro_batches
-from curry_train.mesh import Topology, build_mesh, device_type
-from curry_train.model.gpt import aux_loss, build_model, lm_loss
+from curry_train.mesh import Topology, build_mesh, device_type, node_layout
+from curry_train.model.data import global_batch, rank_micro_batches
+from curry_train.model.gpt import aux_loss, build_meta_model, lm_loss
 from curry_train.parallel.parallelize import Parallelized, grad_reduce_group, parallelize
+from curry_train.train.optim import install as install_optim_hooks
 
 
 def init_distributed(cfg: Config) -> torch.device:
@@ -46,7 +47,10 @@ def init_distributed(cfg: Config) -> torch.device:
 def setup(cfg: Config, device: torch.device | None = None, *, model_hook=None) -> Parallelized:
     """This rank's parallel model + optimizer. World size must equal dp*tp*pp*cp.
 
-    `model_hook(model)` runs on the full model before parallelize (the white-box self-test injects faults there).
+    The model is built on the meta device and each rank materialises only its local shards after the layout is
+    applied (parallel/materialize.py): no rank ever holds the full model, and every layout starts from the
+    reference's weights. `model_hook(model)` runs on the (meta) model before parallelize (the white-box
+    self-test injects faults there).
     """
     topo = Topology.from_config(cfg)
     world = dist.get_world_size() if dist.is_initialized() else 1
@@ -55,11 +59,18 @@ def setup(cfg: Config, device: torch.device | None = None, *, model_hook=None) -
             f"world size {world} != dp*tp*pp*cp = {topo.world_size}; launch with --nproc-per-node {topo.world_size}"
         )
     device = device or torch.device(device_type(cfg))
+    for problem in node_layout(topo, cfg, int(os.environ.get("LOCAL_WORLD_SIZE", "0"))):  # multi-node only
+        if problem.startswith("error"):
+            raise ValueError(problem)
+        if rank() == 0:
+            print(problem, file=sys.stderr)
     mesh = build_mesh(topo, device.type) if world > 1 else None
-    model = build_model(cfg)
+    model = build_meta_model(cfg)
     if model_hook is not None:
         model_hook(model)
-    return parallelize(model, mesh, cfg, topo=topo, device=device)
+    par = parallelize(model, mesh, cfg, topo=topo, device=device)
+    par.step_ctl = install_optim_hooks(par.optimizer, cfg, par.parts, mesh)  # lr schedule + grad clip
+    return par
 
 
 def rank() -> int:
@@ -76,15 +87,14 @@ class StepResult:
 def forward_backward(par: Parallelized, step: int) -> torch.Tensor:
     """Accumulate this rank's gradients for optimizer step `step`; returns the global mean loss (all ranks)."""
     cfg, topo = par.cfg, par.topo
-    inputs, targets = global_batch(cfg, step)
     if topo.pp > 1:
         from curry_train.parallel.pipeline import pipeline_forward_backward
 
-        return pipeline_forward_backward(par, inputs, targets)
+        return pipeline_forward_backward(par, *global_batch(cfg, step))
     coords = topo.coords(rank())
     model, n = par.parts[0], cfg.num_microbatches
     losses = []
-    for m, (x, y, pos) in enumerate(micro_batches(cfg, inputs, targets, coords["dp"], coords["cp"])):
+    for m, (x, y, pos) in enumerate(rank_micro_batches(cfg, step, coords["dp"], coords["cp"])):
         par.grad_sync(m == n - 1)  # reduce gradients once, on the last micro-step
         x, y, pos = x.to(par.device), y.to(par.device), pos.to(par.device)
         with par.autocast():
@@ -119,18 +129,29 @@ def train_step(par: Parallelized, step: int) -> StepResult:
     return StepResult(loss=float(loss), step_time_s=dt, tokens_per_s=tokens / dt)
 
 
-def run_training(cfg: Config, *, log=None) -> dict[str, Any]:
-    """Train for cfg.train.steps steps in this process group; returns losses and timings (same on all ranks)."""
+def run_training(cfg: Config, *, log=None, checkpoint_dir: str | None = None, save_every: int = 0,
+                 resume: str | None = None) -> dict[str, Any]:
+    """Train steps [start, cfg.train.steps) in this process group; returns losses and timings (same on all ranks).
+
+    `resume`: a checkpoint (any layout) to continue from, start = its step; `checkpoint_dir` + `save_every`:
+    save after every save_every-th optimizer step (train/checkpoint.py, atomic, never overwriting).
+    """
+    from curry_train.train import checkpoint
+
     device = init_distributed(cfg)
     par = setup(cfg, device)
+    start = checkpoint.load(par, resume) if resume else 0
     history = []
-    for step in range(cfg.train.steps):
+    for step in range(start, cfg.train.steps):
         r = train_step(par, step)
         history.append(r)
         if log is not None and rank() == 0:
             log({"step": step, "loss": round(r.loss, 6), "step_time_s": round(r.step_time_s, 5),
                  "tokens_per_s": round(r.tokens_per_s, 1)})
+        if checkpoint_dir and save_every and (step + 1) % save_every == 0:
+            checkpoint.save(par, checkpoint_dir, step + 1)
     return {
+        "start_step": start,
         "losses": [r.loss for r in history],
         "step_time_s": [r.step_time_s for r in history],
         "tokens_per_s": [r.tokens_per_s for r in history],
@@ -143,13 +164,17 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="Train the GPT template (run under torchrun for several ranks).")
     ap.add_argument("--config", required=True, help="path to a YAML config, e.g. configs/tiny.yaml")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="dotted override")
+    ap.add_argument("--checkpoint-dir", default=None, help="save checkpoints (step-NNNNNN folders) here")
+    ap.add_argument("--save-every", type=int, default=0, help="save after every N optimizer steps")
+    ap.add_argument("--resume", default=None, help="continue from this checkpoint (any layout)")
     a = ap.parse_args(argv)
     try:
         cfg = load_config(a.config, parse_sets(a.set))
     except ConfigError as e:
         print(e, file=sys.stderr)
         return 2
-    out = run_training(cfg, log=lambda rec: print(json.dumps(rec), file=sys.stderr, flush=True))
+    out = run_training(cfg, log=lambda rec: print(json.dumps(rec), file=sys.stderr, flush=True),
+                       checkpoint_dir=a.checkpoint_dir, save_every=a.save_every, resume=a.resume)
     is_rank0 = rank() == 0
     if dist.is_initialized():
         import gc

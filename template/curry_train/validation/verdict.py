@@ -12,11 +12,14 @@ class ParamDiff(BaseModel):
     max_abs_diff: float
     allowed: float = Field(description="The tolerance this parameter was held to (same units).")
     ref_max_abs: float
+    metric: str = Field("max |diff|", description="What `measured` and `allowed` measure.")
+    measured: float = Field(0.0, description="The compared quantity (same units as `allowed`).")
 
 
 class Verdict(BaseModel):
-    passed: bool = Field(description="True when loss, every gradient and every updated parameter match the "
-                                     "single-device reference within tolerance.")
+    passed: bool = Field(description="True when loss, every gradient and every rank's updated parameters match "
+                                     "the single-device reference within tolerance (never when nothing was "
+                                     "compared).")
     config_overrides: dict[str, Any] = Field(default_factory=dict)
     world_size: int
     steps: int
@@ -27,8 +30,15 @@ class Verdict(BaseModel):
     grad_norm_parallel: list[float]
     worst_parameter: ParamDiff | None = Field(description="Largest diff/allowed ratio over grads and params.")
     first_diverging_layer: str | None = Field(description="Earliest module (forward order) with a failing tensor.")
+    diverging_rank: int | None = Field(None, description="Lowest rank whose copy of a parameter differs from the "
+                                                         "first holder's and from the reference, at the earliest "
+                                                         "step where replicas diverged (None: they never did).")
     failures: list[str] = Field(default_factory=list, description="What failed, most important first.")
     tolerance: dict[str, float]
     n_params_compared: int
+    n_replica_copies: int = Field(0, description="Parameter copies held by all ranks together (every one checked: "
+                                                 "checksummed across replicas, divergent ones compared).")
+    injection: str | None = Field(None, description="Planted bug (validation/inject.py) this run carried; the "
+                                                    "verdict must then fail.")
     run_id: str | None = None
     wall_s: float = 0.0

@@ -1,0 +1,136 @@
+"""Learning-rate schedule and global-norm gradient clipping, applied in a step pre-hook of any optimizer.
+
+    python -c "from curry_train.train.optim import lr_at; from curry_train.config import Config; \
+               print([round(lr_at(Config(train={'lr_schedule': 'cosine', 'warmup_steps': 2, 'steps': 10}), s), 5) \
+                      for s in range(10)])"
+
+`install(optimizer, cfg, parts, mesh)` registers a pre-hook on `optimizer.step` (plain AdamW, FSDP's AdamW over
+DTensors, ZeroRedundancyOptimizer alike), so the white-box reference and every layout run the same schedule and
+clip through whatever code calls `optimizer.step()`; the hook's step counter is the optimizer step index
+(`StepControl.step`, restored on resume).
+
+Schedule (train.lr_schedule, train.warmup_steps): linear warm-up lr*(s+1)/(w+1) for s < w (nanoGPT's), then
+constant, or cosine decay to lr/10 at train.steps (Loshchilov & Hutter 2017, "SGDR", eq. 5, one cycle).
+
+Clip (train.grad_clip > 0): torch.nn.utils.clip_grad_norm_'s rule, coef = min(1, c / (||g|| + 1e-6)), with
+||g|| the L2 norm of the *whole model's* gradient, whatever the layout (Pascanu et al. 2013, "On the difficulty
+of training recurrent neural networks", §3.2). Each rank sums the squares of what it holds exactly once:
+  plain grads (DDP, ZeRO-1, replicated across tp, dp and cp): the local sum, already the same on those ranks;
+  DTensor grads (FSDP shards, TP shards, both): the local sum, all-reduced over each mesh dimension on which the
+      grad is sharded (Shard / _StridedShard), not over Replicate dimensions (that would count copies); a Partial
+      grad (sequence parallel's norm weights: pending sums) is reduced first;
+  expert shards (EP > 1): their partial sum is all-reduced over the ep group too (each EP rank holds other experts);
+  pipeline stages: the per-rank total is all-reduced over the pp group (each stage holds other layers).
+Sums are float64, grouped by their reduction groups: one all-reduce per group kind, not per tensor.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from curry_train.config import Config
+
+
+class StepControl:
+    """The optimizer step index the schedule reads (set by a resume)."""
+
+    def __init__(self) -> None:
+        self.step = 0
+        self.last_grad_norm: float | None = None
+
+
+def lr_at(cfg: Config, step: int) -> float:
+    t = cfg.train
+    if step < t.warmup_steps:
+        return t.lr * (step + 1) / (t.warmup_steps + 1)
+    if t.lr_schedule == "constant":
+        return t.lr
+    progress = min(1.0, (step - t.warmup_steps) / max(1, t.steps - t.warmup_steps))
+    low = t.lr / 10
+    return low + 0.5 * (t.lr - low) * (1.0 + math.cos(math.pi * progress))
+
+
+def _sharded_groups(g: torch.Tensor) -> tuple:
+    from torch.distributed.tensor import Replicate
+
+    mesh = g.device_mesh
+    return tuple(mesh.get_group(i) for i, pl in enumerate(g.placements) if not isinstance(pl, Replicate))
+
+
+def _reduce_partial(g: torch.Tensor) -> torch.Tensor:
+    """A Partial grad (SP's replicated norm weights before their reduction) holds summands, whose squares do not
+    add up to the square of the sum: reduce it first."""
+    from torch.distributed.tensor import Replicate
+
+    return g.redistribute(g.device_mesh, [Replicate() if pl.is_partial() else pl for pl in g.placements])
+
+
+def global_grad_norm(parts: list[nn.Module], cfg: Config, mesh: Any) -> torch.Tensor:
+    """L2 norm of the whole model's gradient (float64 scalar, identical on every rank). Every rank must call it."""
+    sums: dict[tuple, torch.Tensor] = {}
+    device = None
+    ep = cfg.parallel.ep if mesh is not None else 1
+    for part in parts:
+        for p in part.parameters():
+            g = p.grad
+            if g is None:
+                continue
+            is_dt = hasattr(g, "to_local")
+            if is_dt and any(pl.is_partial() for pl in g.placements):
+                g = _reduce_partial(g)
+            local = g.to_local() if is_dt else g
+            device = local.device
+            groups = _sharded_groups(g) if is_dt else ()
+            expert = bool(getattr(p, "_curry_expert", False)) and ep > 1
+            key = (groups, expert)
+            sums[key] = sums.get(key, torch.zeros((), dtype=torch.float64, device=device)) + \
+                local.detach().double().pow(2).sum()
+    total = torch.zeros((), dtype=torch.float64, device=device or "cpu")
+    for (groups, expert), s in sums.items():
+        for group in groups:
+            if dist.get_world_size(group) > 1:
+                dist.all_reduce(s, group=group)
+        if expert:
+            from curry_train.mesh import ep_meshes
+
+            dist.all_reduce(s, group=ep_meshes(mesh, ep)[0].get_group())
+        total += s
+    if mesh is not None and mesh["pp"].size() > 1:
+        dist.all_reduce(total, group=mesh["pp"].get_group())
+    return total.sqrt()
+
+
+@torch.no_grad()
+def clip_grads_(parts: list[nn.Module], cfg: Config, mesh: Any) -> float:
+    """Scale every gradient by min(1, grad_clip / (norm + 1e-6)); returns the pre-clip global norm."""
+    norm = global_grad_norm(parts, cfg, mesh)
+    coef = torch.clamp(cfg.train.grad_clip / (norm + 1e-6), max=1.0)
+    for part in parts:
+        for p in part.parameters():
+            if p.grad is not None:
+                g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+                g.mul_(coef.to(g.dtype))
+    return float(norm)
+
+
+def install(optimizer: torch.optim.Optimizer, cfg: Config, parts: list[nn.Module], mesh: Any = None) -> StepControl:
+    """Run the lr schedule and the clip before every `optimizer.step()`; returns the step counter."""
+    ctl = StepControl()
+    if cfg.train.lr_schedule == "constant" and cfg.train.warmup_steps == 0 and cfg.train.grad_clip == 0:
+        return ctl  # nothing to do: keep the step path untouched
+
+    def pre_hook(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        lr = lr_at(cfg, ctl.step)
+        for group in opt.param_groups:
+            group["lr"] = lr
+        if cfg.train.grad_clip > 0:
+            ctl.last_grad_norm = clip_grads_(parts, cfg, mesh)
+        ctl.step += 1
+
+    optimizer.register_step_pre_hook(pre_hook)
+    return ctl

@@ -1,0 +1,173 @@
+"""Planted-bug catalogue: one known parallelism bug per entry, planted in the parallel run only.
+
+    curry-train whitebox --list-injections
+    curry-train whitebox --config tiny --set parallel.dp=2 --inject data-same-rows      # must FAIL (exit 1)
+
+A white-box check that has never failed proves nothing: each entry below is a bug that real parallel code has
+shipped with (a missed reduction, a wrong scale, a skipped optimizer term, a data split that drops half the
+batch), and `tests/test_injections.py` requires every one to make the verdict fail and name what it touched.
+Every entry is planted inside the rank processes (validation/whitebox.parallel_job), after or around
+`train.loop.setup`; the single-device reference (whitebox.reference) never runs any of this code.
+
+How an entry is planted (each entry's `plant` says which):
+  model_hook   before parallelize, on the full model of this rank (DDP's ignore list must be set before wrapping);
+  after_setup  on the Parallelized result: optimizer param groups, FSDP divide factors, the PP schedule, hooks;
+  patches      module attributes replaced for the duration of the rank job and restored after it, so batched test
+               jobs (whitebox.whitebox_batch runs several specs in one process) never see another job's bug.
+
+This module imports no torch at import time: the CLI's --list-injections and the MCP server read the catalogue.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from curry_train.config import Config
+
+
+class WhiteboxInputError(ValueError):
+    """A white-box request that must not launch (steps < 1, timeout <= 0, a bad injection): exit 2."""
+
+
+class InjectionError(WhiteboxInputError):
+    """An unknown injection name, or one that cannot apply to this layout (nothing is launched)."""
+
+
+@dataclass(frozen=True)
+class Injection:
+    name: str
+    family: str
+    breaks: str  # what goes wrong, in one line
+    layout: str  # the natural layout it fails on (overrides on tiny / tiny-moe)
+    natural: dict[str, Any]  # those overrides, as a dict (config name in "config")
+    touches: str  # regex over reference parameter names the verdict must name, or "rank" for replica divergence
+    needs: Callable[[Config], str | None] = field(repr=False, default=lambda cfg: None)  # why it cannot apply
+
+
+def _dp_cp(cfg: Config) -> int:
+    return cfg.parallel.dp * cfg.parallel.cp
+
+
+def _needs_ddp(cfg: Config) -> str | None:
+    if _dp_cp(cfg) < 2:
+        return f"needs data parallelism (dp*cp > 1; here dp={cfg.parallel.dp} cp={cfg.parallel.cp}): with one " \
+               "replica there is no gradient reduction to leave out"
+    if cfg.parallel.zero >= 2:
+        return f"plants in DDP's all-reduce, but parallel.zero={cfg.parallel.zero} uses FSDP; use zero 0 or 1, " \
+               "or inject fsdp-grad-sum"
+    return None
+
+
+def _needs_zero1(cfg: Config) -> str | None:
+    if cfg.parallel.zero != 1 or _dp_cp(cfg) < 2:
+        return f"needs ZeRO-1 (parallel.zero=1 with dp*cp > 1; here zero={cfg.parallel.zero}, dp*cp={_dp_cp(cfg)})"
+    if cfg.train.weight_decay <= 0:
+        return "drops weight decay, which is 0 here: set train.weight_decay=0.1 or the bug changes nothing"
+    return None
+
+
+def _needs_fsdp(cfg: Config) -> str | None:
+    if cfg.parallel.zero < 2 or _dp_cp(cfg) < 2:
+        return f"needs FSDP (parallel.zero >= 2 with dp*cp > 1; here zero={cfg.parallel.zero}, dp*cp={_dp_cp(cfg)})"
+    return None
+
+
+def _needs_sp(cfg: Config) -> str | None:
+    if cfg.parallel.tp < 2 or not cfg.parallel.sp:
+        return f"needs sequence parallel (parallel.tp > 1 and parallel.sp=true; here tp={cfg.parallel.tp}, " \
+               f"sp={str(cfg.parallel.sp).lower()}): without SP the norm weights see every token on every rank"
+    return None
+
+
+def _needs_pp(cfg: Config) -> str | None:
+    if cfg.parallel.pp < 2:
+        return f"needs pipeline parallelism (parallel.pp > 1; here pp={cfg.parallel.pp})"
+    return None  # config.check already requires >= pp micro-batches, so the missing 1/m is never 1
+
+
+def _needs_ep(cfg: Config) -> str | None:
+    if cfg.model.num_experts == 0:
+        return "plants in the expert-gradient reduction, but this model is dense (model.num_experts=0); use a " \
+               "MoE config such as tiny-moe with parallel.ep > 1"
+    if cfg.parallel.ep < 2:
+        return f"needs expert parallelism (parallel.ep > 1; here ep={cfg.parallel.ep})"
+    if cfg.parallel.zero != 0:
+        return f"plants in the DDP expert sync (parallel.zero=0); here zero={cfg.parallel.zero}"
+    return None
+
+
+def _needs_cp(cfg: Config) -> str | None:
+    if cfg.parallel.cp < 2:
+        return f"needs context parallelism (parallel.cp > 1; here cp={cfg.parallel.cp})"
+    return None
+
+
+def _needs_dp(cfg: Config) -> str | None:
+    if cfg.parallel.dp < 2:
+        return f"needs data parallelism (parallel.dp > 1; here dp={cfg.parallel.dp}): with one dp rank every " \
+               "rank already reads the same rows"
+    return None
+
+
+def _needs_replicas(cfg: Config) -> str | None:
+    if cfg.world_size < 2:
+        return "needs more than one rank (a different lr on rank 1 needs a rank 1)"
+    return None
+
+
+CATALOGUE: dict[str, Injection] = {i.name: i for i in (
+    Injection("ddp-unreduced-grad", "DDP", "one parameter's gradient is left un-reduced across the dp ranks "
+              "(a missed DDP hook)", "tiny dp=2", {"config": "tiny", "parallel.dp": 2},
+              r"layers\.\d+\.feed_forward\.w1\.weight", _needs_ddp),
+    Injection("zero1-no-weight-decay", "ZeRO-1", "the sharded optimizer drops AdamW's weight decay",
+              "tiny dp=2 zero=1 weight_decay=0.1",
+              {"config": "tiny", "parallel.dp": 2, "parallel.zero": 1, "train.weight_decay": 0.1}, r".", _needs_zero1),
+    Injection("fsdp-grad-sum", "FSDP", "gradients are summed over the dp ranks, not averaged", "tiny dp=2 zero=3",
+              {"config": "tiny", "parallel.dp": 2, "parallel.zero": 3}, r".", _needs_fsdp),
+    Injection("tp-sp-norm-unreduced", "TP/SP", "the norm weights' gradients are not summed over the tp ranks "
+              "(each rank saw only its T/tp tokens)", "tiny tp=2 sp=true",
+              {"config": "tiny", "parallel.tp": 2, "parallel.sp": True}, r"(^|\.)(attention_norm|ffn_norm|norm)\.",
+              _needs_sp),
+    Injection("pp-unscaled-grads", "PP", "the schedule does not divide the accumulated gradients by the number of "
+              "micro-batches", "tiny pp=2", {"config": "tiny", "parallel.pp": 2}, r".", _needs_pp),
+    Injection("ep-expert-unreduced", "EP", "expert gradients are neither reduced over the expert-data-parallel "
+              "ranks nor divided by dp*cp", "tiny-moe dp=2 ep=2",
+              {"config": "tiny-moe", "parallel.dp": 2, "parallel.ep": 2}, r"\.experts\.", _needs_ep),
+    Injection("cp-local-lse", "CP", "ring attention's backward uses each rank's block-local log-sum-exp instead of "
+              "the final one", "tiny cp=2", {"config": "tiny", "parallel.cp": 2},
+              r"(tok_embeddings|attention\.w[qkv]|attention_norm|feed_forward|ffn_norm)", _needs_cp),
+    Injection("data-same-rows", "data", "every dp rank reads dp rank 0's rows: half the global batch is never used",
+              "tiny dp=2", {"config": "tiny", "parallel.dp": 2}, r".", _needs_dp),
+    Injection("replica-lr", "replicas", "ranks other than 0 step with 10x the learning rate, so the replicas drift "
+              "apart", "tiny dp=2", {"config": "tiny", "parallel.dp": 2}, "rank", _needs_replicas),
+)}
+
+# Not yet plantable: the layout it needs does not exist in the template (parallel.dp_replicate).
+UNAVAILABLE = {"hsdp-no-replica-allreduce": "HSDP: the replica groups are not all-reduced; available once "
+                                            "parallel.dp_replicate exists (dp=4 dp_replicate=2 zero=3)"}
+
+
+def check(name: str, cfg: Config) -> Injection:
+    """The catalogue entry for `name` if it can apply to `cfg`; raises InjectionError saying why not."""
+    if name in UNAVAILABLE:
+        raise InjectionError(f"injection {name!r} is not available yet: {UNAVAILABLE[name]}")
+    if name not in CATALOGUE:
+        raise InjectionError(f"unknown injection {name!r}; valid names: {', '.join(CATALOGUE)} "
+                             "(--list-injections describes them)")
+    inj = CATALOGUE[name]
+    why = inj.needs(cfg)
+    if why:
+        raise InjectionError(f"injection {name!r} ({inj.family}) does not apply to this layout: it {why}. "
+                             f"Use its natural layout ({inj.layout}) or pick another injection (--list-injections).")
+    return inj
+
+
+def listing() -> list[dict[str, Any]]:
+    """The catalogue as JSON-able rows (CLI --list-injections, docs)."""
+    rows = [{"name": i.name, "family": i.family, "breaks": i.breaks, "layout": i.layout, "available": True}
+            for i in CATALOGUE.values()]
+    rows += [{"name": n, "family": "HSDP", "breaks": why, "layout": "dp=4 dp_replicate=2 zero=3", "available": False}
+             for n, why in UNAVAILABLE.items()]
+    return rows

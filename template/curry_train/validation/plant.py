@@ -1,0 +1,207 @@
+"""How each entry of validation/inject.CATALOGUE is planted inside the rank processes (imports torch).
+
+Each planter takes (stack, cfg, target) and returns a Planted; module attributes it replaces are restored
+by `stack` when the rank job ends. Nothing here is imported by the single-device reference.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from curry_train.config import Config
+from curry_train.validation.inject import InjectionError, check
+
+
+@dataclass
+class Planted:
+    """What parallel_job applies: a hook on the full model before parallelize, and a function after it."""
+
+    model_hook: Callable[[torch.nn.Module], None] | None = None
+    after_setup: Callable[[Any], None] = lambda par: None
+
+
+@contextlib.contextmanager
+def planted(name: str | None, cfg: Config, target: str | None = None) -> Iterator[Planted]:
+    """Plant `name` for the duration of one rank job (module patches are restored on exit); none: no-op."""
+    if not name:
+        yield Planted()
+        return
+    check(name, cfg)
+    with contextlib.ExitStack() as stack:
+        yield PLANTERS[name](stack, cfg, target)
+
+
+def _patch(stack: contextlib.ExitStack, module: Any, attr: str, value: Any) -> None:
+    old = getattr(module, attr)
+    setattr(module, attr, value)
+    stack.callback(setattr, module, attr, old)
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _param_groups(opt: Any) -> list[dict]:
+    """The optimizer's param groups, plus the wrapped local optimizer's (ZeroRedundancyOptimizer.optim)."""
+    groups = list(opt.param_groups)
+    inner = getattr(opt, "optim", None)
+    return groups + (list(inner.param_groups) if inner is not None else [])
+
+
+def ddp_unreduced_grad(stack, cfg: Config, target: str | None) -> Planted:
+    """Put one parameter on DDP's ignore list before wrapping: its gradient stays each rank's own (the bug of a
+    hand-rolled DDP or a missed hook). Default target: the middle block's first FFN weight."""
+    name = target or (f"layers.{cfg.model.n_layers // 2}.feed_forward.w1.weight" if cfg.model.num_experts == 0
+                      else f"layers.{cfg.model.n_layers // 2}.attention.wq.weight")
+
+    def hook(model: torch.nn.Module) -> None:
+        from torch.nn.parallel import DistributedDataParallel
+
+        known = dict(model.named_parameters())
+        if name not in known:
+            raise InjectionError(f"ddp-unreduced-grad: no parameter {name!r}; e.g. {next(iter(known))}")
+        old = list(getattr(model, "_ddp_params_and_buffers_to_ignore", []))
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, sorted({*old, name}))
+
+    return Planted(model_hook=hook)
+
+
+def zero1_no_weight_decay(stack, cfg: Config, target: str | None) -> Planted:
+    """ZeroRedundancyOptimizer copies the outer param groups' hyper-parameters into its local AdamW each step
+    (torch/distributed/optim/zero_redundancy_optimizer.py, _sync_param_groups): zero both."""
+
+    def after(par: Any) -> None:
+        for g in _param_groups(par.optimizer):
+            g["weight_decay"] = 0.0
+
+    return Planted(after_setup=after)
+
+
+def fsdp_grad_sum(stack, cfg: Config, target: str | None) -> Planted:
+    """Every FSDP2 unit reduce-scatters with divide factor 1, i.e. a plain sum over the dp x cp ranks. Sum-only
+    collectives (gloo has no PREMUL_SUM), as fully_shard_experts already does for the expert units."""
+
+    def after(par: Any) -> None:
+        from torch.distributed.fsdp import FSDPModule
+
+        for part in par.parts:
+            for m in part.modules():
+                if isinstance(m, FSDPModule):
+                    m.set_gradient_divide_factor(1.0)
+                    m.set_force_sum_reduction_for_comms(True)
+
+    return Planted(after_setup=after)
+
+
+def tp_sp_norm_unreduced(stack, cfg: Config, target: str | None) -> Planted:
+    """Under SP a norm weight (a Replicate DTensor) gets a Partial gradient: each rank's share from its T/tp
+    tokens, which DTensor sums over tp before accumulating. The hook relabels the partial local gradient as
+    already replicated, so the sum never happens (each rank keeps its own share)."""
+
+    def hook_for(param: torch.Tensor):
+        from torch.distributed.tensor import DTensor, Replicate
+
+        def hook(grad: torch.Tensor) -> torch.Tensor:
+            if isinstance(grad, DTensor) and any(p.is_partial() for p in grad.placements):
+                return DTensor.from_local(grad.to_local(), grad.device_mesh, [Replicate()] * grad.device_mesh.ndim,
+                                          run_check=False)
+            return grad
+
+        return hook
+
+    def after(par: Any) -> None:
+        for part in par.parts:
+            for name, p in part.named_parameters():
+                if name.split(".")[-2] in ("attention_norm", "ffn_norm", "norm"):
+                    p.register_hook(hook_for(p))
+
+    return Planted(after_setup=after)
+
+
+def pp_unscaled_grads(stack, cfg: Config, target: str | None) -> Planted:
+    """The schedule reads scale_grads at every step (torch/distributed/pipelining/schedules.py)."""
+
+    def after(par: Any) -> None:
+        par.schedule.scale_grads = False
+
+    return Planted(after_setup=after)
+
+
+def ep_expert_unreduced(stack, cfg: Config, target: str | None) -> Planted:
+    """parallel/ddp.py calls expert_parallel.sync_expert_grads at wrap time; a no-op leaves each rank's expert
+    gradients as they arrived from the all-to-all: neither summed over edp nor divided by dp*cp."""
+    from curry_train.parallel import expert_parallel
+
+    _patch(stack, expert_parallel, "sync_expert_grads", lambda ddp, mesh, cfg: None)
+    return Planted()
+
+
+def cp_local_lse(stack, cfg: Config, target: str | None) -> Planted:
+    """Ring attention whose backward uses the log-sum-exp over this rank's own keys (ring step 0) instead of the
+    final merged one: the forward is still exact, the probabilities the backward rebuilds do not sum to one."""
+    import math
+
+    from curry_train.parallel import context_parallel as cpm
+
+    exact = cpm.RingAttention
+
+    class LocalLSE(exact):
+        @staticmethod
+        def forward(ctx, q, k, v, group, plans, rank):
+            out = exact.forward(ctx, q, k, v, group, plans, rank)  # [B, H, Tl, Dh]
+            G, rep = k.shape[1], q.shape[1] // k.shape[1]
+            q5, kf = q.float().unflatten(1, (G, rep)), k.float()
+            lse = torch.full(q5.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
+            for qs, ks, mask in plans[rank]:  # own keys only: every query sees at least its own position
+                s = cpm._block_scores(q5[..., qs, :], kf[..., ks, :], mask, 1.0 / math.sqrt(q.shape[-1]))
+                lse[..., qs] = torch.logaddexp(lse[..., qs], torch.logsumexp(s, -1).clamp_min(-1e30))
+            ctx.save_for_backward(q, k, v, out.detach().float().unflatten(1, (G, rep)).clone(), lse)
+            return out
+
+    _patch(stack, cpm, "RingAttention", LocalLSE)
+    return Planted()
+
+
+def data_same_rows(stack, cfg: Config, target: str | None) -> Planted:
+    """Every dp rank slices dp rank 0's rows (loop and pipeline import micro_batches by name)."""
+    from curry_train.model import data
+    from curry_train.parallel import pipeline
+    from curry_train.train import loop
+
+    def rank0_rows(cfg, inputs, targets, dp_rank, cp_rank=0):
+        return data.micro_batches(cfg, inputs, targets, 0, cp_rank)
+
+    _patch(stack, loop, "micro_batches", rank0_rows)
+    _patch(stack, pipeline, "micro_batches", rank0_rows)
+    return Planted()
+
+
+def replica_lr(stack, cfg: Config, target: str | None) -> Planted:
+    """Ranks other than 0 step with 10x the learning rate (a per-rank schedule or a config read per host)."""
+
+    def after(par: Any) -> None:
+        if _rank() != 0:
+            for g in _param_groups(par.optimizer):
+                g["lr"] = g["lr"] * 10
+
+    return Planted(after_setup=after)
+
+
+PLANTERS = {
+    "ddp-unreduced-grad": ddp_unreduced_grad,
+    "zero1-no-weight-decay": zero1_no_weight_decay,
+    "fsdp-grad-sum": fsdp_grad_sum,
+    "tp-sp-norm-unreduced": tp_sp_norm_unreduced,
+    "pp-unscaled-grads": pp_unscaled_grads,
+    "ep-expert-unreduced": ep_expert_unreduced,
+    "cp-local-lse": cp_local_lse,
+    "data-same-rows": data_same_rows,
+    "replica-lr": replica_lr,
+}

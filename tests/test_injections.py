@@ -1,0 +1,106 @@
+"""The planted-bug catalogue (validation/inject.py): every entry makes the white-box fail on its natural layout and
+the verdict names what the bug touched; bad requests exit 2 before anything starts; a run that cannot finish
+exits 3."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+from curry_train.cli import main
+from curry_train.config import load_config
+from curry_train.validation.compare import module_of
+from curry_train.validation.inject import CATALOGUE, UNAVAILABLE, listing
+from curry_train.validation.whitebox import whitebox_batch
+
+from tests.conftest import PRESETS
+
+# First diverging module each bug must be localised to (the earliest failing step's earliest failing tensor).
+FIRST_LAYER = {"ddp-unreduced-grad": "layers.2", "tp-sp-norm-unreduced": "layers.0", "ep-expert-unreduced": "layers.0"}
+
+
+def _natural(name: str):
+    nat = dict(CATALOGUE[name].natural)
+    return load_config(PRESETS / f"{nat.pop('config')}.yaml", nat)
+
+
+@pytest.mark.multirank
+def test_every_planted_bug_fails_on_its_natural_layout_and_is_named(tmp_path):
+    names = list(CATALOGUE)
+    cfgs = [_natural(n) for n in names]
+    assert {c.world_size for c in cfgs} == {2}  # one forkserver launch for the whole catalogue
+    verdicts = whitebox_batch(cfgs, steps=2, out_dir=tmp_path, inject=names)
+    for name, v in zip(names, verdicts):
+        inj = CATALOGUE[name]
+        assert not v.passed, f"{name} was not caught"
+        assert v.injection == name
+        if inj.touches == "rank":
+            assert v.diverging_rank == 1, (name, v.diverging_rank, v.failures[:3])
+            assert any("rank 1" in f for f in v.failures)
+            continue
+        worst = v.worst_parameter.name.split(" ")[-1]
+        assert re.search(inj.touches, worst), (name, v.worst_parameter.name)
+        assert v.first_diverging_layer == FIRST_LAYER.get(name, "tok_embeddings"), (name, v.first_diverging_layer)
+        assert any(re.search(inj.touches, f) for f in v.failures), (name, v.failures[:3])
+    by = dict(zip(names, verdicts))
+    # the three the old harness let through (issue 18): caught by the update bound, the replica check, the data
+    assert by["zero1-no-weight-decay"].worst_parameter.name.startswith("param[step 0]")
+    assert "norm" in by["zero1-no-weight-decay"].worst_parameter.name
+    assert by["replica-lr"].worst_parameter.name.startswith("param[step 0, rank 1]")
+    assert by["data-same-rows"].loss_max_diff > 1e-3  # half the batch: another loss, not only other gradients
+
+
+def _run(capsys, *args: str) -> tuple[int, str, str]:
+    code = main(list(args))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_the_catalogue_lists_every_name_with_family_and_layout(capsys):
+    code, out, _ = _run(capsys, "whitebox", "--list-injections", "--json")
+    rows = json.loads(out)
+    assert code == 0
+    assert [r["name"] for r in rows if r["available"]] == list(CATALOGUE) == [
+        "ddp-unreduced-grad", "zero1-no-weight-decay", "fsdp-grad-sum", "tp-sp-norm-unreduced", "pp-unscaled-grads",
+        "ep-expert-unreduced", "cp-local-lse", "data-same-rows", "replica-lr"]
+    assert [r["name"] for r in rows if not r["available"]] == list(UNAVAILABLE)
+    assert all(r["family"] and r["breaks"] and r["layout"] for r in listing())
+
+
+@pytest.mark.parametrize(("args", "says"), [
+    (["--inject", "nope"], "valid names: ddp-unreduced-grad, zero1-no-weight-decay"),
+    (["--set", "parallel.dp=2", "--inject", "ep-expert-unreduced"], "this model is dense"),
+    (["--inject", "hsdp-no-replica-allreduce", "--set", "parallel.dp=2"], "parallel.dp_replicate"),
+    (["--set", "parallel.dp=2", "--inject", "zero1-no-weight-decay"], "needs ZeRO-1"),
+    (["--set", "parallel.dp=2", "--set", "parallel.zero=1", "--inject", "zero1-no-weight-decay"], "weight_decay"),
+    (["--set", "parallel.tp=2", "--inject", "tp-sp-norm-unreduced"], "needs sequence parallel"),
+    (["--set", "parallel.dp=2", "--inject", "pp-unscaled-grads"], "needs pipeline parallelism"),
+    (["--set", "parallel.dp=2", "--inject", "cp-local-lse"], "needs context parallelism"),
+    (["--break-grad-sync", "output.weight"], "dp=1"),  # the old self-test at dp=1 passed silently (issue 20)
+    (["--steps", "0"], "at least 1 optimizer step"),
+    (["--steps", "-1"], "at least 1 optimizer step"),
+    (["--timeout", "-1"], "positive number of seconds"),
+    (["--set", "parallel.dp=2", "--inject", "replica-lr", "--break-grad-sync", "x"], "do not combine"),
+])
+def test_bad_requests_exit_2_and_launch_nothing(capsys, project, args, says):
+    code, out, err = _run(capsys, "whitebox", "--config", "tiny", "--root", str(project), "--json", *args)
+    assert code == 2 and out == "", (code, out)
+    assert says in err, err
+    assert not (project / "runs" / "ledger.sqlite3").exists()  # nothing recorded, nothing launched
+
+
+@pytest.mark.multirank
+def test_a_run_that_cannot_finish_exits_3_not_1(project):
+    r = subprocess.run([sys.executable, "-m", "curry_train.cli", "whitebox", "--config", "tiny", "--set",
+                        "parallel.dp=2", "--timeout", "0.5", "--json", "--root", str(project)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 3 and r.stdout == "", (r.returncode, r.stderr[-2000:])
+    assert "could not finish" in r.stderr
+
+
+def test_module_names_for_localisation():
+    assert module_of("layers.2.feed_forward.w1.weight") == "layers.2"
+    assert module_of("tok_embeddings.weight") == "tok_embeddings"
