@@ -4,6 +4,7 @@ launch) and batch many checks per launch; the torchrun path is exercised by the 
 from __future__ import annotations
 
 import atexit
+import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -31,6 +32,9 @@ def shipped_configs(dest: Path, src: Path = REPO / "configs") -> Path:
     return dest
 
 
+# A CURRY_TRAIN_ROOT from the shell would point every tool at a real project: tests set their own (or none).
+os.environ.pop("CURRY_TRAIN_ROOT", None)
+
 # The shipped presets for tests that only read one (TINY = PRESETS / "tiny.yaml"); never the checkout's configs/.
 PRESETS = shipped_configs(Path(tempfile.mkdtemp(prefix="curry-presets-")) / "configs")
 atexit.register(shutil.rmtree, PRESETS.parent, True)
@@ -45,7 +49,6 @@ def _own_project_root(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pyt
     shipped_configs(root / "configs")
     (root / "runs").mkdir()
     monkeypatch.chdir(root)
-    monkeypatch.delenv("CURRY_TRAIN_ROOT", raising=False)
     return root
 
 

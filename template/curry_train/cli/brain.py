@@ -62,7 +62,7 @@ def _human_estimate(e: Any) -> str:
 
 
 def _human_rec(r: Any) -> str:
-    lines = [f"next: {r.primitive}  {r.config_patch}", f"  {r.reason}",
+    lines = [f"next: {r.action} {r.primitive}  {r.config_patch}", f"  {r.reason}",
              (f"  memory {_gib(r.memory_before_bytes)} -> {_gib(r.memory_after_bytes)} ({r.memory_change_pct:+.1f}%), "
              f"throughput {r.throughput_change_pct:+.1f}%, fits after: {r.fits_after}")]
     if r.more_gpus_needed:
@@ -70,6 +70,7 @@ def _human_rec(r: Any) -> str:
     if r.validation:
         lines.append(f"  validate: {r.validation.command}")
     lines += [f"  not: {x}" for x in r.rejected[:6]]
+    lines += [f"  alternative: {a.text}" for a in r.alternatives[:6]]
     return "\n".join(lines)
 
 
@@ -81,6 +82,11 @@ def _human_plan(p: Any) -> str:
         lines.append(f"  {r.step:2d} {r.primitive:10s} dp{par['dp']} z{par['zero']} tp{par['tp']} pp{par['pp']} "
                      f"cp{par['cp']} ep{par['ep']} rc:{par['recompute']:9s} {_gib(r.memory_gib['total'] * 2**30):>10s} "
                      f"{'fits' if r.fits else 'OOM '} step {r.step_time_s:.3g} s")
+    if getattr(p, "idle_reason", None):
+        lines.append(f"  idle GPUs: {p.idle_reason}")
+    if getattr(p, "min_nodes_to_fit", None):
+        lines.append(f"  more GPUs: a layout fits from {p.min_nodes_to_fit} nodes of {p.gpus_per_node}")
+    lines += [f"  hint: {h}" for h in getattr(p, "hints", [])]
     lines.append(f"  {p.layouts_valid} valid layouts, {p.layouts_fitting} fit; fastest:")
     for lay in p.ranked[:5]:
         par = lay.parallel
