@@ -158,6 +158,8 @@ def param_count(cfg: Config) -> int:
 
 def _replace(x: _Layout, **kw: Any) -> _Layout:
     d = {f: getattr(x, f) for f in x.__dataclass_fields__}
+    if "dp_replicate" in kw:  # the config's name for the field
+        kw["dpr"] = kw.pop("dp_replicate")
     d.update(kw)
     return _Layout(**d)
 
