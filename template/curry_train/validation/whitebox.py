@@ -12,6 +12,12 @@ shape (DTensor.full_tensor for FSDP/TP, stage dicts for PP, expert shards for EP
 after the last step every rank's parameters (validation/compare.py: checksummed across replicas, divergent
 copies compared too). `--inject NAME` plants one known bug (validation/inject.py) in the ranks only.
 Tolerances and their measured noise: validation/compare.py.
+
+Wall time of a clean 2-rank check (tiny, dp=2, 2 steps) on the 2-core CPU machine, shared with other jobs:
+2.1 s through the test forkserver (torch preloaded; each planted bug 1.4-2.5 s the same way); 37-41 s through
+`curry-train whitebox` at load average 8 (36-70 s at 12-35), of which 15-19 s CPU in all: four processes import
+torch (CLI, torchrun, 2 ranks), and `import torch` alone took 12 s wall at that load. The 15 s target holds for
+the compute, not for four cold torch imports on a loaded 2-core machine.
 """
 
 from __future__ import annotations
