@@ -123,7 +123,7 @@ def torch_problem(version: str | None = None) -> str | None:
     newer = [a for a in APIS if not a.shim and (have is None or a.since > have)]
     if newer:  # name the newest API without an older spelling: that one is what this torch cannot run
         a = max(newer, key=lambda a: a.since)
-        why = f"{a.api} (used by {a.used_by}) needs torch>={'.'.join(map(str, a.since))}"
+        why = f"{a.api}, used by {a.used_by}, needs torch>={'.'.join(map(str, a.since))}"
     else:
         why = f"{need} is the oldest torch the suite and the evals were run on"
     return f"curry_train needs torch>={need} but torch {version} is installed; {why}: {fix}"
