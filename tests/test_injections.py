@@ -13,7 +13,7 @@ import pytest
 from curry_train.cli import main
 from curry_train.config import load_config
 from curry_train.validation.compare import module_of
-from curry_train.validation.inject import CATALOGUE, UNAVAILABLE, listing
+from curry_train.validation.inject import CATALOGUE, listing
 from curry_train.validation.whitebox import whitebox_batch
 
 from tests.conftest import PRESETS
@@ -31,9 +31,16 @@ def _natural(name: str):
 def test_every_planted_bug_fails_on_its_natural_layout_and_is_named(tmp_path):
     names = list(CATALOGUE)
     cfgs = [_natural(n) for n in names]
-    assert {c.world_size for c in cfgs} == {2}  # one forkserver launch for the whole catalogue
-    verdicts = whitebox_batch(cfgs, steps=2, out_dir=tmp_path, inject=names)
-    for name, v in zip(names, verdicts):
+    worlds = sorted({c.world_size for c in cfgs})
+    assert worlds == [2, 4]  # one forkserver launch per world size: HSDP needs dp=4, everything else 2 ranks
+    by = {}
+    for w in worlds:
+        mine = [(n, c) for n, c in zip(names, cfgs) if c.world_size == w]
+        (out := tmp_path / f"world{w}").mkdir()
+        verdicts = whitebox_batch([c for _, c in mine], steps=2, out_dir=out, timeout=600,
+                                  inject=[n for n, _ in mine])
+        by.update(zip([n for n, _ in mine], verdicts))
+    for name, v in by.items():
         inj = CATALOGUE[name]
         assert not v.passed, f"{name} was not caught"
         assert v.injection == name
@@ -45,12 +52,16 @@ def test_every_planted_bug_fails_on_its_natural_layout_and_is_named(tmp_path):
         assert re.search(inj.touches, worst), (name, v.worst_parameter.name)
         assert v.first_diverging_layer == FIRST_LAYER.get(name, "tok_embeddings"), (name, v.first_diverging_layer)
         assert any(re.search(inj.touches, f) for f in v.failures), (name, v.failures[:3])
-    by = dict(zip(names, verdicts))
     # the three the old harness let through (issue 18): caught by the update bound, the replica check, the data
     assert by["zero1-no-weight-decay"].worst_parameter.name.startswith("param[step 0]")
     assert "norm" in by["zero1-no-weight-decay"].worst_parameter.name
     assert by["replica-lr"].worst_parameter.name.startswith("param[step 0, rank 1]")
     assert by["data-same-rows"].loss_max_diff > 1e-3  # half the batch: another loss, not only other gradients
+    # HSDP without the replica all-reduce: rank 0's gradient is its replica's half-batch mean (not the global one),
+    # and the first rank of the other replica group (ranks 2, 3 on the (dp_replicate, dp_shard) mesh) diverges.
+    hsdp = by["hsdp-no-replica-allreduce"]
+    assert hsdp.worst_parameter.name.startswith("grad[step 0]"), hsdp.worst_parameter.name
+    assert hsdp.diverging_rank == 2, (hsdp.diverging_rank, hsdp.failures[:3])
 
 
 def _run(capsys, *args: str) -> tuple[int, str, str]:
@@ -63,10 +74,10 @@ def test_the_catalogue_lists_every_name_with_family_and_layout(capsys):
     code, out, _ = _run(capsys, "whitebox", "--list-injections", "--json")
     rows = json.loads(out)
     assert code == 0
-    assert [r["name"] for r in rows if r["available"]] == list(CATALOGUE) == [
-        "ddp-unreduced-grad", "zero1-no-weight-decay", "fsdp-grad-sum", "tp-sp-norm-unreduced", "pp-unscaled-grads",
-        "ep-expert-unreduced", "cp-local-lse", "data-same-rows", "replica-lr"]
-    assert [r["name"] for r in rows if not r["available"]] == list(UNAVAILABLE)
+    assert [r["name"] for r in rows if r["available"]] == [r["name"] for r in rows] == list(CATALOGUE) == [
+        "ddp-unreduced-grad", "zero1-no-weight-decay", "fsdp-grad-sum", "hsdp-no-replica-allreduce",
+        "tp-sp-norm-unreduced", "pp-unscaled-grads", "ep-expert-unreduced", "cp-local-lse", "data-same-rows",
+        "replica-lr"]
     assert all(r["family"] and r["breaks"] and r["layout"] for r in listing())
 
 
@@ -74,6 +85,8 @@ def test_the_catalogue_lists_every_name_with_family_and_layout(capsys):
     (["--inject", "nope"], "valid names: ddp-unreduced-grad, zero1-no-weight-decay"),
     (["--set", "parallel.dp=2", "--inject", "ep-expert-unreduced"], "this model is dense"),
     (["--inject", "hsdp-no-replica-allreduce", "--set", "parallel.dp=2"], "parallel.dp_replicate"),
+    (["--inject", "hsdp-no-replica-allreduce", "--set", "parallel.dp=4", "--set", "parallel.zero=3"],
+     "dp_replicate=1, zero=3"),  # plain FSDP: no replica groups, nothing to skip
     (["--set", "parallel.dp=2", "--inject", "zero1-no-weight-decay"], "needs ZeRO-1"),
     (["--set", "parallel.dp=2", "--set", "parallel.zero=1", "--inject", "zero1-no-weight-decay"], "weight_decay"),
     (["--set", "parallel.tp=2", "--inject", "tp-sp-norm-unreduced"], "needs sequence parallel"),

@@ -180,11 +180,11 @@ def _fsdp(x: _Layout, units: int, layers: int, add) -> None:
     else:
         gathers, ag_window = (2 if x.zero == 3 else 1) * m, "all"
         syncs, rs_window = m, "bwd"
-    prim = "hsdp" if r > 1 else "fsdp"
-    add(prim, "all_gather", shard, units * gathers, n_units * gathers, link, ag_window)
-    add(prim, "reduce_scatter", shard, 4 * units // cb * syncs, n_units * syncs, link, rs_window)
+    # the shard group's collectives are FSDP's own; HSDP adds the replica all-reduce
+    add("fsdp", "all_gather", shard, units * gathers, n_units * gathers, link, ag_window)
+    add("fsdp", "reduce_scatter", shard, 4 * units // cb * syncs, n_units * syncs, link, rs_window)
     if r > 1:
-        add(prim, "all_reduce", r, 4 * units // cb // shard * syncs, n_units * syncs,
+        add("hsdp", "all_reduce", r, 4 * units // cb // shard * syncs, n_units * syncs,
             _span_link(x, r, shard * x.tp), rs_window)
 
 

@@ -74,6 +74,14 @@ def _needs_fsdp(cfg: Config) -> str | None:
     return None
 
 
+def _needs_hsdp(cfg: Config) -> str | None:
+    r, z = cfg.parallel.dp_replicate, cfg.parallel.zero
+    if r < 2 or z < 2:
+        return f"needs HSDP (parallel.dp_replicate > 1 with parallel.zero >= 2; here dp_replicate={r}, zero={z}): " \
+               "without replica groups there is no all-reduce across them to skip"
+    return None
+
+
 def _needs_sp(cfg: Config) -> str | None:
     if cfg.parallel.tp < 2 or not cfg.parallel.sp:
         return f"needs sequence parallel (parallel.tp > 1 and parallel.sp=true; here tp={cfg.parallel.tp}, " \
@@ -126,6 +134,11 @@ CATALOGUE: dict[str, Injection] = {i.name: i for i in (
               {"config": "tiny", "parallel.dp": 2, "parallel.zero": 1, "train.weight_decay": 0.1}, r".", _needs_zero1),
     Injection("fsdp-grad-sum", "FSDP", "gradients are summed over the dp ranks, not averaged", "tiny dp=2 zero=3",
               {"config": "tiny", "parallel.dp": 2, "parallel.zero": 3}, r".", _needs_fsdp),
+    Injection("hsdp-no-replica-allreduce", "HSDP", "gradient shards are reduce-scattered inside each shard group "
+              "but never all-reduced across the replica groups: each replica steps on its own half of the batch",
+              "tiny dp=4 dp_replicate=2 zero=3",
+              {"config": "tiny", "parallel.dp": 4, "parallel.dp_replicate": 2, "parallel.zero": 3}, r".",
+              _needs_hsdp),
     Injection("tp-sp-norm-unreduced", "TP/SP", "the norm weights' gradients are not summed over the tp ranks "
               "(each rank saw only its T/tp tokens)", "tiny tp=2 sp=true",
               {"config": "tiny", "parallel.tp": 2, "parallel.sp": True}, r"(^|\.)(attention_norm|ffn_norm|norm)\.",
@@ -144,15 +157,9 @@ CATALOGUE: dict[str, Injection] = {i.name: i for i in (
               "apart", "tiny dp=2", {"config": "tiny", "parallel.dp": 2}, "rank", _needs_replicas),
 )}
 
-# Not yet plantable: the layout it needs does not exist in the template (parallel.dp_replicate).
-UNAVAILABLE = {"hsdp-no-replica-allreduce": "HSDP: the replica groups are not all-reduced; available once "
-                                            "parallel.dp_replicate exists (dp=4 dp_replicate=2 zero=3)"}
-
 
 def check(name: str, cfg: Config) -> Injection:
     """The catalogue entry for `name` if it can apply to `cfg`; raises InjectionError saying why not."""
-    if name in UNAVAILABLE:
-        raise InjectionError(f"injection {name!r} is not available yet: {UNAVAILABLE[name]}")
     if name not in CATALOGUE:
         raise InjectionError(f"unknown injection {name!r}; valid names: {', '.join(CATALOGUE)} "
                              "(--list-injections describes them)")
@@ -166,8 +173,6 @@ def check(name: str, cfg: Config) -> Injection:
 
 def listing() -> list[dict[str, Any]]:
     """The catalogue as JSON-able rows (CLI --list-injections, docs)."""
-    rows = [{"name": i.name, "family": i.family, "breaks": i.breaks, "layout": i.layout, "available": True}
+    # "available" stays in the rows (CLI and JSON readers key on it): every entry of the catalogue is plantable.
+    return [{"name": i.name, "family": i.family, "breaks": i.breaks, "layout": i.layout, "available": True}
             for i in CATALOGUE.values()]
-    rows += [{"name": n, "family": "HSDP", "breaks": why, "layout": "dp=4 dp_replicate=2 zero=3", "available": False}
-             for n, why in UNAVAILABLE.items()]
-    return rows

@@ -100,6 +100,33 @@ def fsdp_grad_sum(stack, cfg: Config, target: str | None) -> Planted:
     return Planted(after_setup=after)
 
 
+def hsdp_no_replica_allreduce(stack, cfg: Config, target: str | None) -> Planted:
+    """HSDP whose replica all-reduce is missing: FSDP2's post-backward calls `foreach_reduce(..., all_reduce_group,
+    ...)` with the replicate process group when the unit's mesh is 2-D (torch/distributed/fsdp/_fully_shard/
+    _fsdp_param_group.py post_backward; _fsdp_collectives.py foreach_reduce: "not `None` iff HSDP"). Passing None
+    keeps the reduce-scatter inside the shard group and drops the all-reduce across replicas, and FSDP2 then
+    averages over the shard group only (_get_gradient_divide_factors): each replica steps on the mean gradient of
+    its own 1/dp_replicate of the batch, the replicas drift apart, as in a hand-built HSDP whose replicate group
+    was never wired. Patched where post_backward looks the name up, for this rank job only."""
+    import inspect
+
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group
+
+    exact = _fsdp_param_group.foreach_reduce
+    sig = inspect.signature(exact)
+    if "all_reduce_group" not in sig.parameters:
+        raise InjectionError(f"hsdp-no-replica-allreduce: torch {torch.__version__}'s FSDP2 foreach_reduce has no "
+                             "all_reduce_group argument any more; the planter in validation/plant.py needs updating")
+
+    def no_replica_all_reduce(*args: Any, **kwargs: Any) -> Any:
+        bound = sig.bind(*args, **kwargs)
+        bound.arguments["all_reduce_group"] = None
+        return exact(*bound.args, **bound.kwargs)
+
+    _patch(stack, _fsdp_param_group, "foreach_reduce", no_replica_all_reduce)
+    return Planted()
+
+
 def tp_sp_norm_unreduced(stack, cfg: Config, target: str | None) -> Planted:
     """Under SP a norm weight (a Replicate DTensor) gets a Partial gradient: each rank's share from its T/tp
     tokens, which DTensor sums over tp before accumulating. The hook relabels the partial local gradient as
@@ -145,9 +172,8 @@ def ep_expert_unreduced(stack, cfg: Config, target: str | None) -> Planted:
 
 def cp_local_lse(stack, cfg: Config, target: str | None) -> Planted:
     """Ring attention whose backward uses the log-sum-exp over this rank's own keys (ring step 0) instead of the
-    final merged one: the forward is still exact, the probabilities the backward rebuilds do not sum to one."""
-    import math
-
+    final merged one: the forward is still exact, the probabilities the backward rebuilds do not sum to one.
+    The local LSE comes from the same fused kernel the ring runs (context_parallel._attn_fwd), over plans[rank]."""
     from curry_train.parallel import context_parallel as cpm
 
     exact = cpm.RingAttention
@@ -156,13 +182,14 @@ def cp_local_lse(stack, cfg: Config, target: str | None) -> Planted:
         @staticmethod
         def forward(ctx, q, k, v, group, plans, rank):
             out = exact.forward(ctx, q, k, v, group, plans, rank)  # [B, H, Tl, Dh]
-            G, rep = k.shape[1], q.shape[1] // k.shape[1]
-            q5, kf = q.float().unflatten(1, (G, rep)), k.float()
-            lse = torch.full(q5.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
-            for qs, ks, mask in plans[rank]:  # own keys only: every query sees at least its own position
-                s = cpm._block_scores(q5[..., qs, :], kf[..., ks, :], mask, 1.0 / math.sqrt(q.shape[-1]))
-                lse[..., qs] = torch.logaddexp(lse[..., qs], torch.logsumexp(s, -1).clamp_min(-1e30))
-            ctx.save_for_backward(q, k, v, out.detach().float().unflatten(1, (G, rep)).clone(), lse)
+            rep = q.shape[1] // k.shape[1]
+            kr, vr = cpm._rep(k, rep), cpm._rep(v, rep)
+            lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)  # [B, H, Tl]
+            with torch.autocast(q.device.type, enabled=False):
+                for qs, ks, causal in plans[rank]:  # own keys only: every query sees at least its own position
+                    lse_b = cpm._attn_fwd(q[:, :, qs], kr[:, :, ks], vr[:, :, ks], causal)[1]
+                    lse[..., qs] = torch.logaddexp(lse[..., qs], lse_b.float())
+            ctx.save_for_backward(q, k, v, out, lse)
             return out
 
     _patch(stack, cpm, "RingAttention", LocalLSE)
@@ -170,7 +197,7 @@ def cp_local_lse(stack, cfg: Config, target: str | None) -> Planted:
 
 
 def data_same_rows(stack, cfg: Config, target: str | None) -> Planted:
-    """Every dp rank slices dp rank 0's rows (loop and pipeline import micro_batches by name)."""
+    """Every dp rank reads dp rank 0's rows (loop imports rank_micro_batches, pipeline micro_batches, by name)."""
     from curry_train.model import data
     from curry_train.parallel import pipeline
     from curry_train.train import loop
@@ -178,7 +205,10 @@ def data_same_rows(stack, cfg: Config, target: str | None) -> Planted:
     def rank0_rows(cfg, inputs, targets, dp_rank, cp_rank=0):
         return data.micro_batches(cfg, inputs, targets, 0, cp_rank)
 
-    _patch(stack, loop, "micro_batches", rank0_rows)
+    def rank0_step(cfg, step, dp_rank, cp_rank=0):
+        return data.rank_micro_batches(cfg, step, 0, cp_rank)
+
+    _patch(stack, loop, "rank_micro_batches", rank0_step)
     _patch(stack, pipeline, "micro_batches", rank0_rows)
     return Planted()
 
@@ -198,6 +228,7 @@ PLANTERS = {
     "ddp-unreduced-grad": ddp_unreduced_grad,
     "zero1-no-weight-decay": zero1_no_weight_decay,
     "fsdp-grad-sum": fsdp_grad_sum,
+    "hsdp-no-replica-allreduce": hsdp_no_replica_allreduce,
     "tp-sp-norm-unreduced": tp_sp_norm_unreduced,
     "pp-unscaled-grads": pp_unscaled_grads,
     "ep-expert-unreduced": ep_expert_unreduced,
