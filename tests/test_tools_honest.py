@@ -106,6 +106,16 @@ async def test_descriptions_say_which_budget_which_machine_and_are_plain_paragra
 
 
 @pytest.mark.anyio
+async def test_the_hardware_argument_keeps_the_configs_budget_and_the_result_says_so():
+    async with Client(mcp, mode="legacy") as c:
+        est = (await c.call_tool("estimate_memory", {"config": "tiny", "hardware": "H100"})).structured_content
+        rec = (await c.call_tool("recommend_next", {"config": "tiny", "hardware": "H100"})).structured_content
+    assert est["budget_bytes"] == 2**30 and est["hardware"]["name"] == "H100"  # tiny.yaml: gpu_memory_gib 1.0
+    assert "budget" in est["hardware_note"] and "gpu_memory_gib" in est["hardware_note"]
+    assert rec["gpu_profile"] == "H100" and "budget" in rec["reason"]
+
+
+@pytest.mark.anyio
 async def test_tools_that_launch_are_neither_read_only_nor_idempotent():
     tools = await _tools()
     for name in LAUNCHING:
