@@ -6,13 +6,14 @@ picked, and does the estimator agree with their measured memory?
 
 Setups (each preset's comment gives its source; published-layout rows are the papers' own layouts):
   megatron-1.7b ... megatron-1t   Narayanan et al. 2021 (arXiv:2104.04473) Table 1, A100 80 GB
-  bloom-176b                      BigScience tr11 (TP 4 x PP 12 x DP 8 on 384 A100 80 GB; 70 layers: uneven)
+  bloom-176b                      BigScience tr11 (TP 4 x PP 12 x DP 8 on 384 A100 80 GB; 70 layers over 12
+                                  stages: uneven, split by cost as pipeline_split.py does)
   opt-175b                        Zhang et al. 2022 (arXiv:2205.01068): FSDP x TP 8 on 992 A100 80 GB
   mt-nlg-530b                     Smith et al. 2022 (arXiv:2201.11990): TP 8 x PP 35 x DP 8 on 2,240 A100 80 GB
   torchtitan rows                 pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md: Llama 3.1 8B
                                   and 70B on H100 96 GB with their measured peak memory (max over GPUs)
 For each: `plan` on the setup's cluster, sequence, batch and micro-batch, and
-  gpus          GPUs `final` uses, of the cluster's
+  gpus          GPUs `final` uses, of the cluster's (final's dp shows HSDP's replica count as dp64(r8))
   final/clean   final's estimated step time over the fastest layout without an anti-pattern (target <= 1.10)
   published     the published layout's rank among the fitting layouts (any ZeRO stage, recompute and schedule of
                 its tp x pp x dp) and its step time over #1 (target <= 1.15), where the template can express it
@@ -39,7 +40,7 @@ SETUPS: list[tuple[str, str, str, float, tuple[int, int, int] | None, dict[str, 
     ("megatron-146b", "megatron-146b", "A100-80", 80.0, (8, 8, 24), {}, None),
     ("megatron-310b", "megatron-310b", "A100-80", 80.0, (8, 16, 15), {}, None),
     ("megatron-1t", "megatron-1t", "A100-80", 80.0, (8, 64, 6), {}, None),
-    ("bloom-176b", "bloom-176b", "A100-80", 80.0, None, {}, None),  # TP4 PP12 DP8: uneven stages
+    ("bloom-176b", "bloom-176b", "A100-80", 80.0, (4, 12, 8), {}, None),  # 70 layers over PP12: uneven stages
     ("opt-175b", "opt-175b", "A100-80", 80.0, (8, 1, 124), {}, None),
     ("mt-nlg-530b", "mt-nlg-530b", "A100-80", 80.0, (8, 35, 8), {}, None),
     # torchtitan: H100 with 96 GB HBM (about 94 GiB usable as the device total); H100 speed
@@ -99,13 +100,13 @@ def run_one(name: str, preset: str, gpu: str, mem: float, published: tuple[int, 
     out: dict[str, Any] = {
         "setup": name, "gpus": world, "gpus_used": used, "idle_reason": getattr(p, "idle_reason", None),
         "fits": p.fits, "final": {k: final.get(k) for k in ("dp", "zero", "tp", "pp", "cp", "pp_schedule",
-                                                           "recompute")},
+                                                           "recompute", "dp_replicate")},
         "final_step_s": f_step, "best_clean_step_s": best_clean,
         "final_over_clean": f_step / best_clean if best_clean else None,
         "final_anti_patterns": _anti(base, final, f_row), "layouts_fitting": p.layouts_fitting,
         "plan_seconds": seconds}
     if published is None:
-        out["published"] = "not expressible (uneven pipeline stages)"
+        out["published"] = "not expressible"
     else:
         tp, pp, dp = published
         rank = next((i for i, r in enumerate(rows) if _shape(r.parallel) == (tp, pp, dp, 1)), None)
@@ -134,7 +135,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{'pub/#1':>8s}{'mem est/meas GiB':>18s}{'plan s':>8s}  anti-patterns")
         for r in rows:
             f = r["final"]
-            lay = (f"dp{f['dp']} z{f['zero']} tp{f['tp']} pp{f['pp']} cp{f['cp']} "
+            hsdp = f"(r{f['dp_replicate']})" if (f.get("dp_replicate") or 1) > 1 else ""
+            lay = (f"dp{f['dp']}{hsdp} z{f['zero']} tp{f['tp']} pp{f['pp']} cp{f['cp']} "
                    f"{f['pp_schedule'] if f['pp'] and f['pp'] > 1 else ''} {f['recompute']}")
             mem = (f"{r['memory_estimated_gib']:.1f}/{r['memory_measured_gib']:.1f}" if "memory_error" in r else "-")
             rank = r.get("published_rank", "n/e" if "published" in r else None)

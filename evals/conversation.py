@@ -29,7 +29,7 @@ TOOLS = {
     "capacity_sweep": None,  # config plus sweep options; checked against the live input schema instead
 }
 EXPENSIVE = {"bench", "whitebox_compare"}  # torchrun launches: a handful of conversations only
-PRIMITIVES = ("none", "recompute", "zero", "zero1", "zero2", "zero3", "tp", "pp", "ep", "cp", "dp", "micro_batch")
+PRIMITIVES = ("none", "recompute", "zero", "zero1", "zero2", "zero3", "hsdp", "tp", "pp", "ep", "cp", "dp", "micro_batch")
 ERAS = ("auto", "legacy")
 
 # What the conversation set as a whole must exercise: every rung and anti-pattern of the stage-4 ladder, plus the
@@ -63,7 +63,7 @@ COVERAGE = {
     "remove-unneeded-primitive": "a primitive in place that its own estimate shows unnecessary is removed",
     "idle-gpus": "GPUs left idle: use them, or say why they must idle",
     "pp-bubble": "a bubble-bound pipeline: schedule, virtual stages, more micro-batches",
-    "hsdp": "FSDP across nodes: HSDP named with its estimate",
+    "hsdp": "FSDP across nodes: HSDP (parallel.dp_replicate) proposed with its patch and estimate",
     "long-context-tp": "long context where TP+SP beats CP by step time",
     "oom-micro-batch": "an OOM where halving the micro-batch is the alternative",
     "more-gpus-how-many": "more GPUs, with how many",

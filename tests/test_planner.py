@@ -110,13 +110,28 @@ def test_final_is_the_lightest_clean_layout_within_ten_percent_and_uses_the_gpus
     assert p.rungs[-1].parallel == p.final and p.rungs[0].primitive == "baseline"
     assert [r.primitive for r in p.rungs[1:]] == sorted(
         (r.primitive for r in p.rungs[1:]),
-        key=lambda x: ["zero1", "zero2", "zero3", "recompute", "tp", "pp", "ep", "cp"].index(x))
+        key=lambda x: ["zero1", "zero2", "zero3", "recompute", "tp", "pp", "ep", "cp", "hsdp"].index(x))
     for r in p.ranked:  # the search space's own rules
         par = r.parallel
         assert 8 % par["tp"] == 0 and par["dp"] * par["tp"] * par["pp"] * par["cp"] == r.gpus_used <= p.gpus
         assert par["pp"] == 1 or nodes % par["pp"] == 0  # whole nodes per stage
         assert par["cp"] == 1 or seq >= 32768
         assert par["dp"] * par["cp"] > 1 or par["zero"] == 0  # ZeRO stages at dp=1 collapse into one row
+        r_ = par["dp_replicate"]  # HSDP: zero >= 2, replicas dividing dp, the shard group inside one node
+        assert r_ == 1 or (par["zero"] >= 2 and par["dp"] % r_ == 0 and 8 % (par["dp"] * par["cp"] // r_ * par["tp"]) == 0)
+
+
+def test_hsdp_and_uneven_pipeline_stages_are_searched():
+    # FSDP over 4 nodes: HSDP (8-rank shard groups, 4 replicas) keeps the gathers on the node's link and wins
+    p = plan("llama3-8b", 8, 4, 80.0, 4096, 128, top=100_000)
+    assert p.final["dp_replicate"] == 4 and p.final["zero"] >= 2 and p.final_patch["parallel.dp_replicate"] == 4
+    assert p.rungs[-1].primitive == "hsdp" and "4 replicas across nodes" in p.rungs[-1].reason
+    assert any(r.parallel["dp_replicate"] == 1 and r.parallel["zero"] >= 2 for r in p.ranked)  # FSDP weighed too
+    # BLOOM's 70 layers over PP12 (uneven stages): expressible, and the whole cluster is used
+    b = plan("bloom-176b", 8, 48, 80.0, 2048, 2048, micro_batch=2, gpu="A100-80", top=100_000)
+    shapes = {(r.parallel["tp"], r.parallel["pp"], r.parallel["dp"]) for r in b.ranked}
+    assert (4, 12, 8) in shapes and b.gpus_used == 384
+    assert all(48 % r.parallel["pp"] == 0 for r in b.ranked)  # PP stays across whole nodes
 
 
 def test_idle_gpus_come_with_a_true_reason():
@@ -165,7 +180,7 @@ def test_recommend_next_and_plan_never_disagree_on_any_preset():
     from curry_train.rules import anti_patterns
 
     order = {"recompute": ["none", "selective", "full"]}
-    for f in sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml")):
+    for f in sorted(Path("configs").glob("*.yaml")):  # the shipped presets, in this test's own project root
         cfg = load_any(f.stem)
         h, t, par = cfg.hardware, cfg.train, cfg.parallel
         p = plan(f.stem, h.gpus_per_node, h.nodes, h.gpu_memory_gib, t.seq_len, t.global_batch,

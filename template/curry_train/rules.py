@@ -10,19 +10,18 @@ Who reads what:
   cp_has_proven_need, pp_allowed, tp_allowed, ep_allowed
                              advice/decide.py: the advisor never proposes CP without proven need, PP on one node,
                              TP on MoE (EP instead), EP on a dense model.
-  tp_sizes, pp_sizes         advice/planner.py: the TP and PP sizes it enumerates (TP inside a node, PP across).
+  tp_sizes, pp_sizes, hsdp_replicas  advice/search.py's TP, PP, HSDP sizes (TP and HSDP's shard group inside a
+                             node, PP across); advice/tune.py proposes the same HSDP.
   anti_patterns              any layout -> [AntiPattern(id, fields, message, fix)]; tests/test_rules.py checks
                              that the advisor's proposals carry none and that skills/stage4-parallel-primitive-intro
                              and the eval conversations list the same set.
-  (the pipeline split lives in pipeline_split.py: stage placement and layers per stage, one function each,
-   used by parallel/pipeline.py and the estimator alike)
+  (the pipeline split: pipeline_split.py, shared by parallel/pipeline.py and the estimator)
 
 Anti-patterns follow the stage-4 ladder (skills/stage4-parallel-primitive-intro; Ultra-Scale Playbook, Hugging
 Face 2025; Megatron-LM's context-parallel guide). A new one is one entry in `ANTI_PATTERN_RULES`: a function of the
 config (and, when known, the estimator's activation share) that returns the message, or None when clean.
 
-Torch-free, and without runtime imports from `curry_train.config` (config.py imports this module; the config
-types are imported for type hints only), so the MCP server loads it cheaply.
+Torch-free, without runtime imports from `curry_train.config` (it imports this module): the MCP server loads it cheaply.
 """
 
 from __future__ import annotations
@@ -195,9 +194,6 @@ def vocab_pad_hint(vocab: int, tp: int) -> str:
     return f"pad model.vocab_size {vocab} to {-(-vocab // mult) * mult} (a multiple of 64*tp = {mult}, as Megatron does)"
 
 
-# ----------------------------------------------------------------------------------------------- the pipeline split
-
-
 # ----------------------------------------------------------------------------------------------- the ladder's gates
 
 
@@ -240,11 +236,24 @@ def tp_blocked_by_vocab(model: ModelConfig, gpus_per_node: int) -> list[int]:
 
 
 def pp_sizes(n_layers: int, world: int, nodes: int) -> list[int]:
-    """PP sizes the planner searches: divisors of the layers whose stages are whole nodes (pp divides nodes, so no
-    node holds two stages; the mesh puts pp outermost, curry_train/mesh.py), and only across nodes."""
+    """PP sizes the planner searches: stages of whole nodes (pp divides nodes; pp is outermost, curry_train/mesh.py)
+    with a layer each; pp need not divide the layers (pipeline_split.py splits by cost: BLOOM's 70 over PP12)."""
     if not pp_allowed(nodes):
         return [1]
-    return [p for p in divisors(n_layers) if nodes % p == 0 and world % p == 0]
+    return [p for p in divisors(nodes) if p <= n_layers and world % p == 0]
+
+
+def hsdp_replicas(dp: int, cp: int, tp: int, gpus_per_node: int, zero: int, ep: int = 1) -> int | None:
+    """HSDP's dp_replicate where dp*cp spans nodes: the fewest replicas r (dividing dp) whose shard group dp*cp/r
+    (at stride tp, curry_train/mesh.py) sits in one node, so only the replica all-reduce crosses nodes (Zhao et
+    al. 2023, "PyTorch FSDP", hybrid sharding). None when FSDP stays in a node, zero < 2 or ep > 1."""
+    if zero < 2 or ep > 1 or dp * cp * tp <= gpus_per_node:
+        return None
+    for r in divisors(dp):
+        shard = dp * cp // r
+        if r > 1 and gpus_per_node % (shard * tp) == 0:  # whole shard groups per node, none straddling two
+            return r if shard >= 2 else None
+    return None
 
 
 def cp_sizes(seq_len: int, world: int) -> list[int]:
@@ -387,5 +396,5 @@ def anti_patterns(cfg: Config, *, act_share: float | None = None,
 
 __all__ = ["ACT_SHARE_FOR_CP", "ANTI_PATTERN_RULES", "LONG_CONTEXT", "WITHIN", "AntiPattern", "AntiPatternRule",
            "Problem", "RuleContext", "anti_patterns", "check", "cp_has_proven_need", "cp_sizes", "divisors",
-           "ep_allowed", "pp_allowed", "pp_sizes", "tp_allowed",
-           "tp_blocked_by_vocab", "tp_sizes", "vocab_pad_hint"]
+           "ep_allowed", "hsdp_replicas", "pp_allowed", "pp_sizes", "tp_allowed", "tp_blocked_by_vocab", "tp_sizes",
+           "vocab_pad_hint"]

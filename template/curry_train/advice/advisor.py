@@ -155,10 +155,6 @@ _REJECTED: dict[str, Callable[[dict[str, Any]], str]] = {
     "tp_node_size": lambda f: f"tp: already {f['tp']} = GPUs per node; TP across nodes is ~43% slower (Playbook)",
     "pp_one_node": lambda f: "pp: one node; PP's bubble is rarely worth it where the node's fast link carries TP "
                              "+ FSDP",
-    "hsdp_not_yet": lambda f: (f"hsdp: FSDP spans nodes; HSDP (shard over {f['shard']} ranks inside a node, "
-                               f"{f['replicate']} replicas across) is estimated at {f['step']:.3g} s per step "
-                               f"({_pct(f['step'], f['before'])}); this template has no parallel.dp_replicate yet, "
-                               "so it is named, not proposed"),
 }
 
 
@@ -197,6 +193,9 @@ _WHY: dict[str, Callable[[dict[str, Any]], str]] = {
                      "schedule and virtual stages set the bubble."),
     "ep": lambda f: ("A mixture of experts at scale: expert parallel trades the all-gather of every expert for two "
                      "all-to-alls of the routed tokens."),
+    "hsdp": lambda f: (f"FSDP's group spans the {f['nodes']} nodes, so every all-gather and reduce-scatter crosses "
+                       "the inter-node link; HSDP keeps them inside a node and sends only one all-reduce of the "
+                       "gradient shards across."),
     "zero": lambda f: "", "recompute": lambda f: "", "cp": lambda f: "",
 }
 
@@ -302,7 +301,7 @@ def _nothing(est: Estimate, needed: list[dict[str, Any]]) -> str:
 def _alternatives(alts: list[Alt], est: Estimate, chosen: dict[str, Any]) -> list[Alternative]:
     out, seen = [], set()
     for a in alts:
-        if not a.name.startswith(("halve", "double", "use", "pipeline", "tp ", "pp ", "ep ")):
+        if not a.name.startswith(("halve", "double", "use", "pipeline", "tp ", "pp ", "ep ", "HSDP")):
             a = Alt(f"{a.name} " + ", ".join(f"{k.split('.')[-1]}={v}" for k, v in a.patch.items()), a.patch, a.after,
                     a.refused)
         key = repr(sorted(a.patch.items()))

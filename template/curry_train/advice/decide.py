@@ -27,7 +27,7 @@ from curry_train.rules import (
     tp_allowed,
 )
 
-Primitive = Literal["none", "recompute", "zero", "zero1", "zero2", "zero3", "tp", "pp", "ep", "cp", "dp",
+Primitive = Literal["none", "recompute", "zero", "zero1", "zero2", "zero3", "hsdp", "tp", "pp", "ep", "cp", "dp",
                     "micro_batch"]
 
 
@@ -123,7 +123,8 @@ def dp_sizes(cfg: Config, upto: int) -> list[int]:
 
 
 def _pp_patches(cfg: Config, schedules: tuple[tuple[str, int], ...] = (("1f1b", 1),)) -> list[dict[str, Any]]:
-    """Pipeline sizes carved from dp whose stages are whole nodes (rules.pp_sizes), with each schedule given."""
+    """Pipeline sizes carved from dp whose stages are whole nodes (rules.pp_sizes; the layers split unevenly by
+    cost when pp does not divide them), with each schedule given."""
     p, mb, h = cfg.parallel, cfg.train.micro_batch, cfg.hardware
     out = []
     for pp in pp_sizes(cfg.model.n_layers, h.gpus_per_node * h.nodes, h.nodes):
@@ -133,9 +134,13 @@ def _pp_patches(cfg: Config, schedules: tuple[tuple[str, int], ...] = (("1f1b", 
         if dp < 1 or cfg.train.global_batch % (dp * mb) or cfg.train.global_batch // (dp * mb) < pp:
             continue
         for sched, v in schedules:
-            if cfg.model.n_layers % (pp * v) == 0:
-                out.append({"parallel.pp": pp, "parallel.dp": dp, "parallel.pp_schedule": sched,
-                            "parallel.pp_virtual": v})
+            if cfg.model.n_layers >= pp * v:
+                patch = {"parallel.pp": pp, "parallel.dp": dp, "parallel.pp_schedule": sched, "parallel.pp_virtual": v}
+                if p.pp_layers is not None:  # an explicit split has one entry per stage: split by cost instead
+                    patch["parallel.pp_layers"] = None
+                if p.dp_replicate > 1 and dp % p.dp_replicate:  # HSDP's replicas must still divide dp
+                    patch["parallel.dp_replicate"] = 1
+                out.append(patch)
     return out
 
 
@@ -272,7 +277,10 @@ def _tp_patches(cfg: Config) -> list[dict[str, Any]]:
             continue
         k = tp // p.tp
         if p.dp % k == 0 and t.global_batch % ((p.dp // k) * t.micro_batch) == 0:
-            out.append({"parallel.tp": tp, "parallel.sp": p.cp == 1, "parallel.dp": p.dp // k})
+            patch = {"parallel.tp": tp, "parallel.sp": p.cp == 1, "parallel.dp": p.dp // k}
+            if p.dp_replicate > 1 and (p.dp // k) % p.dp_replicate:  # HSDP's replicas must still divide dp
+                patch["parallel.dp_replicate"] = 1
+            out.append(patch)
         elif p.cp % k == 0:
             out.append({"parallel.tp": tp, "parallel.sp": False, "parallel.cp": p.cp // k})
     return out

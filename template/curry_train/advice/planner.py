@@ -9,8 +9,8 @@ and virtual stages, ZeRO stage, recompute, micro-batch, for MoE expert paralleli
 each with its anti-patterns (curry_train/rules.py) and picks `final`: the layout with the fewest and lightest
 primitives, in the ladder's order, among the clean fitting layouts within 10% of the fastest clean one, using
 the most GPUs. `rungs` then climbs from plain data parallelism to `final`, one primitive per rung in the
-ladder's order (ZeRO, recompute, TP, PP, EP, CP), each with its estimate. When nothing fits, `min_nodes_to_fit`
-is the smallest cluster of the same node type on which the search finds a layout.
+ladder's order (ZeRO, recompute, TP, PP, EP, CP, then HSDP), each with its estimate. When nothing fits,
+`min_nodes_to_fit` is the smallest cluster of the same node type on which the search finds a layout.
 """
 
 from __future__ import annotations
@@ -137,7 +137,8 @@ def _base(model_sec: dict[str, Any], train_sec: dict[str, Any], gpus_per_node: i
 # ----------------------------------------------------------------------------------------------- the climb
 
 _ADDS = (("zero", ("zero",)), ("recompute", ("recompute",)), ("tp", ("tp", "sp")),
-         ("pp", ("pp", "pp_schedule", "pp_virtual")), ("ep", ("ep",)), ("cp", ("cp", "sp")))
+         ("pp", ("pp", "pp_schedule", "pp_virtual")), ("ep", ("ep",)), ("cp", ("cp", "sp")),
+         ("hsdp", ("dp_replicate",)))  # HSDP last: its replica count divides the final dp
 _ZERO_WHAT = {1: "optimizer state", 2: "optimizer state and gradients", 3: "parameters, gradients and optimizer "
               "state"}
 
@@ -157,6 +158,10 @@ def _what(prim: str, par: dict[str, Any], mb: int) -> str:
                 f"stage(s) per rank; dp={par['dp']})")
     if prim == "ep":
         return f"expert parallel {par['ep']}"
+    if prim == "hsdp":
+        r = par["dp_replicate"]
+        return (f"HSDP: ZeRO-{par['zero']} shards over {par['dp'] * par['cp'] // r} ranks inside a node, {r} "
+                f"replicas across nodes all-reduce the gradient shards (dp={par['dp']})")
     return f"context parallel {par['cp']} (dp={par['dp']})"
 
 
@@ -165,10 +170,10 @@ def _climb(base: Config, target: dict[str, Any], mb: int, hw: Any, probe: Any, m
     t, h = base.train, base.hardware
     world = h.gpus_per_node * h.nodes
     par = {**base.parallel.model_dump(), "zero": 0, "recompute": "none", "tp": 1, "sp": False, "pp": 1,
-           "pp_schedule": "1f1b", "pp_virtual": 1, "ep": 1, "cp": 1}
+           "pp_schedule": "1f1b", "pp_virtual": 1, "ep": 1, "cp": 1, "dp_replicate": 1}
     steps = [("baseline", par)]
     for prim, keys in _ADDS:
-        if target[keys[0]] == par[keys[0]]:
+        if target.get(keys[0], par[keys[0]]) == par[keys[0]]:
             continue
         par = {**par, **{k: target[k] for k in keys}}
         par["dp"] = _dp_for(world // (par["tp"] * par["pp"] * par["cp"]), t.global_batch, mb)

@@ -7,21 +7,25 @@ Search space (issue 15): tp x cp x pp x dp over the cluster with
   tp   every divisor of gpus_per_node that divides the heads, kv heads, d_ff and vocabulary (rules.tp_sizes);
   cp   every cp with seq_len % (2*cp) == 0 (rules.cp_sizes); below 32k tokens only when no layout without CP
        fits (the seed's "CP only with proven need");
-  pp   divisors of the layers whose stages are whole nodes (rules.pp_sizes), with 1F1B, interleaved 1F1B and
-       zero-bubble at 2 (and 4) virtual stages; GPipe is left out: it has 1F1B's bubble and holds every
-       micro-batch's activations (Narayanan et al. 2021), so it never wins;
+  pp   sizes whose stages are whole nodes and hold at least one layer each (rules.pp_sizes; pp need not divide
+       the layers: pipeline_split.py splits them unevenly by cost, so BLOOM's 70 layers take PP12), with 1F1B,
+       interleaved 1F1B and zero-bubble at 2 (and 4) virtual stages; GPipe is left out: it has 1F1B's bubble
+       and holds every micro-batch's activations (Narayanan et al. 2021), so it never wins;
   dp   the rest of the cluster, lowered to the largest size the global batch feeds (GPUs then idle);
   ep   (MoE) divisors of the experts that divide dp;
   zero 0-3 (one row at dp*cp == 1: the stages are the same layout there, so duplicates collapse);
+  hsdp at zero 2/3 whose dp*cp group spans nodes, also parallel.dp_replicate = rules.hsdp_replicas (the fewest
+       replicas whose shard group fits one node: gathers on the node's link, one all-reduce across);
   recompute the lightest mode that fits (a heavier one only adds FLOPs); micro-batch the powers of two (and the
        given one) that divide the per-rank batch, from 1 up to the largest that fits (memory grows with it, so
        the loop stops there).
-Adding an axis (HSDP's parallel.dp_replicate, uneven stages' parallel.pp_layers) is one more loop in `_shapes`
-and one more key in the row's `parallel`: the rest (fit, anti-patterns, choice) reads rows only.
+An axis is one more loop and one more key in the row's `parallel` (dp_replicate for HSDP; uneven stages need
+none: parallel.pp_layers stays unset, so the template and the estimator split by cost alike): the rest (fit,
+anti-patterns, choice) reads rows only.
 
 `choose` (issue 15): among the fitting rows without an anti-pattern, those within WITHIN (10%) of the fastest;
 of these the one with the fewest and lightest primitives in the ladder's order (CP, EP, PP, TP heaviest first,
-then recompute, then the ZeRO stage), preferring rows that use every GPU.
+then recompute, then the ZeRO stage, then HSDP), preferring rows that use every GPU.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from curry_train.rules import (
     check,
     cp_sizes,
     divisors,
+    hsdp_replicas,
     pp_sizes,
     tp_sizes,
 )
@@ -69,7 +74,7 @@ class Row:
         """Fewest and lightest primitives, heaviest first (the ladder read from the top), then the sizes."""
         p = self.parallel
         return (p["cp"] > 1, p["ep"] > 1, p["pp"] > 1, p["tp"] > 1, RC.index(p["recompute"]), p["zero"],
-                p["cp"], p["ep"], p["pp"], p["pp_virtual"], p["tp"])
+                p.get("dp_replicate", 1) > 1, p["cp"], p["ep"], p["pp"], p["pp_virtual"], p["tp"])
 
 
 @dataclass
@@ -103,11 +108,11 @@ def _shapes(cfg: Config, with_cp: bool) -> list[tuple[int, int, int, int, int]]:
 def _schedules(n_layers: int, pp: int) -> list[tuple[str, int]]:
     if pp == 1:
         return [("1f1b", 1)]
-    out = [("1f1b", 1)]
+    out = [("1f1b", 1)]  # every stage needs a layer (pp * v <= n_layers); the split may be uneven
     for v in (2, 4):
-        if n_layers % (v * pp) == 0:
+        if n_layers >= v * pp:
             out.append(("interleaved_1f1b", v))
-    if n_layers % (2 * pp) == 0:
+    if n_layers >= 2 * pp:
         out.append(("zero_bubble", 2))
     return out
 
@@ -149,20 +154,25 @@ def _search(cfg: Config, hw: HardwareProfile, margin: float, *, with_cp: bool,
         zeros = (0,) if dp * cp == 1 else (0, 1, 2, 3)
         for sched, v in _schedules(m.n_layers, pp):
             for ep in eps:
-                for zero in zeros:
+                over: set[int] = set()  # ZeRO stages whose FSDP row overflows: HSDP (smaller shards) does too
+                for zero, dpr in [(z, r) for z in zeros
+                                  for r in (1, hsdp_replicas(dp, cp, tp, cfg.hardware.gpus_per_node, z, ep)) if r]:
                     sp = tp > 1 and cp == 1  # SP with TP, except under CP (both shard the sequence)
                     par = {"dp": dp, "zero": zero, "recompute": "none", "tp": tp, "sp": sp, "pp": pp,
-                           "pp_schedule": sched, "pp_virtual": v, "ep": ep, "cp": cp}
+                           "pp_schedule": sched, "pp_virtual": v, "ep": ep, "cp": cp, "dp_replicate": dpr}
                     object.__setattr__(probe_cfg, "parallel", ParallelConfig.model_construct(**par))
                     object.__setattr__(probe_cfg, "train", t.model_copy(update={"micro_batch": mbs[0] if mbs else 1}))
                     if not mbs or check(probe_cfg):
                         continue
                     valid += len(mbs)  # one layout per micro-batch
-                    x = _replace(x0, dp=dp, zero=zero, recompute="none", tp=tp, sp=sp, pp=pp, schedule=sched, v=v,
-                                 ep=ep, cp=cp, b=mbs[0])
-                    st = _states(x, stage_ids(x, 0))
-                    if st.params + st.opt > usable:  # model states alone overflow: no recompute helps
+                    if dpr > 1 and zero in over:
                         continue
+                    x = _replace(x0, dp=dp, zero=zero, recompute="none", tp=tp, sp=sp, pp=pp, schedule=sched, v=v,
+                                 ep=ep, cp=cp, b=mbs[0], dp_replicate=dpr, pp_layers=None)
+                    st = _states(x, stage_ids(x, 0))
+                    if st.params + st.opt > usable or _peak_total(_replace(x, recompute="full")) > usable * (1 - margin):
+                        over.add(zero)  # model states alone, or the lightest mode at the smallest micro-batch,
+                        continue  # overflow: no recompute and no larger micro-batch fits
                     start, prev = 0, float("inf")
                     for b in mbs:
                         if v > 1 and (per_rank // b) % pp:

@@ -6,11 +6,11 @@ is unnecessary by its own estimate (no symptom), as data (advice/advisor.py word
 slow: every lever is weighed with its estimate: idle GPUs (more data-parallel ranks), the pipeline bubble (its
 schedule, virtual stages, more micro-batches), the micro-batch (FSDP re-gathers the parameters once per
 micro-batch), TP inside the node when data-parallel communication dominates, PP across nodes, EP for a MoE, and
-HSDP when FSDP spans nodes (timed by the estimator; the template has no parallel.dp_replicate yet, so it is named,
-not proposed). Among the options that fit, have no anti-pattern and gain, the lightest rung of the ladder
-within 10% of the fastest wins (the planner's rule, advice/search.py).
+HSDP when FSDP spans nodes (parallel.dp_replicate: the shard group inside a node, rules.hsdp_replicas, the size
+the planner searches). Among the options that fit, have no anti-pattern and gain, the lightest rung of the
+ladder within 10% of the fastest wins (the planner's rule, advice/search.py).
 
-remove (issue 20: "never preemptively"): the heaviest primitive first (CP, EP, PP, TP, full -> selective
+remove (issue 20: "never preemptively"): the heaviest primitive first (CP, EP, PP, TP, HSDP, full -> selective
 recompute, a lower ZeRO stage) whose removal still fits, has no anti-pattern and keeps the step within 10% of
 the current one.
 """
@@ -21,11 +21,10 @@ from typing import Any
 
 from curry_train.advice.decide import Alt, Ctx, Decision, _pp_patches, _tp_patches, dp_sizes, oom
 from curry_train.config import Config, from_dict
-from curry_train.estimator import Estimate, _layout, _replace
-from curry_train.estimator.comm import _step_time
-from curry_train.rules import WITHIN, anti_patterns, ep_allowed, pp_allowed, tp_allowed
+from curry_train.estimator import Estimate
+from curry_train.rules import WITHIN, anti_patterns, ep_allowed, hsdp_replicas, pp_allowed, tp_allowed
 
-WEIGHT = {"dp": 0, "micro_batch": 0, "zero": 1, "recompute": 2, "tp": 3, "pp": 4, "ep": 5, "cp": 6}
+WEIGHT = {"dp": 0, "micro_batch": 0, "zero": 1, "hsdp": 1, "recompute": 2, "tp": 3, "pp": 4, "ep": 5, "cp": 6}
 DP_COMM = ("dp", "zero1", "fsdp", "hsdp")
 GAIN = 0.02  # an option must save at least 2% of the step to be worth a change
 
@@ -47,17 +46,18 @@ def _comm(est: Estimate) -> dict[str, float]:
     return out
 
 
-def _hsdp(c: Ctx) -> None:
-    """FSDP whose shard group spans nodes: time HSDP (shard inside a node, replicate across) with the estimator
-    and name it; the template cannot run it yet, so it is a rejection with numbers, never a patch."""
-    cfg, p, h = c.cfg, c.cfg.parallel, c.cfg.hardware
-    per_node = max(1, h.gpus_per_node // (p.tp * p.cp))  # dp ranks inside one node
-    if p.zero < 2 or h.nodes < 2 or per_node < 2 or p.dp <= per_node or p.dp % per_node:
-        return
-    x = _replace(_layout(cfg), dp_replicate=p.dp // per_node)
-    st, _ = _step_time(x, c.est.hardware)
-    c.reject("hsdp_not_yet", shard=per_node, replicate=p.dp // per_node, step=st.total_s,
-             before=c.est.step_time.total_s)
+def _hsdp(cfg: Config) -> list[tuple[str, str, dict[str, Any]]]:
+    """FSDP whose shard group spans nodes: HSDP with the fewest replicas whose shard group fits one node
+    (rules.hsdp_replicas), as an option to weigh like any other."""
+    p, h = cfg.parallel, cfg.hardware
+    if p.dp_replicate > 1:
+        return []
+    r = hsdp_replicas(p.dp, p.cp, p.tp, h.gpus_per_node, p.zero, p.ep)
+    if r is None:
+        return []
+    shard = p.dp * p.cp // r
+    return [("hsdp", f"HSDP: dp_replicate {r} (ZeRO-{p.zero} shards over {shard} ranks inside a node, {r} replicas "
+             "all-reduce across nodes)", {"parallel.dp_replicate": r})]
 
 
 def slow(c: Ctx) -> Decision:
@@ -74,9 +74,11 @@ def slow(c: Ctx) -> Decision:
     m = cfg.num_microbatches
     if p.pp > 1:
         for sched, v in (("interleaved_1f1b", 2), ("zero_bubble", 2), ("interleaved_1f1b", 4)):
-            if (sched, v) != (p.pp_schedule, p.pp_virtual) and cfg.model.n_layers % (p.pp * v) == 0:
-                options.append(("pp", f"pipeline schedule {sched} with {v} virtual stages per rank",
-                                {"parallel.pp_schedule": sched, "parallel.pp_virtual": v}))
+            if (sched, v) != (p.pp_schedule, p.pp_virtual) and cfg.model.n_layers >= p.pp * v:
+                patch = {"parallel.pp_schedule": sched, "parallel.pp_virtual": v}
+                if p.pp_layers is not None:  # an explicit split has one entry per stage: split by cost instead
+                    patch["parallel.pp_layers"] = None
+                options.append(("pp", f"pipeline schedule {sched} with {v} virtual stages per rank", patch))
     if t.micro_batch > 1:
         options.append(("micro_batch", f"halve micro_batch to {t.micro_batch // 2} ({2 * m} micro-batches"
                         + (" fill the pipeline)" if p.pp > 1 else ")"), {"train.micro_batch": t.micro_batch // 2}))
@@ -95,8 +97,9 @@ def slow(c: Ctx) -> Decision:
         c.reject("pp_one_node")
     if ep_allowed(cfg.model) and p.ep == 1:
         for e in [e for e in range(2, cfg.model.num_experts + 1) if cfg.model.num_experts % e == 0 and p.dp % e == 0]:
-            options.append(("ep", f"ep {e}", {"parallel.ep": e}))
-    _hsdp(c)
+            off = {"parallel.dp_replicate": 1} if p.dp_replicate > 1 else {}  # the template's EP runs without HSDP
+            options.append(("ep", f"ep {e}", {"parallel.ep": e, **off}))
+    options += _hsdp(cfg)
     good: list[tuple[str, str, Alt]] = []
     refused: dict[str, str] = {}
     for prim, name, patch in options:
@@ -134,11 +137,14 @@ def _removals(cfg: Config) -> list[tuple[str, list[dict[str, Any]]]]:
                             "parallel.pp_virtual": 1}]))
     if p.tp > 1:
         out.append(("tp", [{"parallel.tp": 1, "parallel.sp": False, "parallel.dp": p.dp * p.tp}]))
+    if p.dp_replicate > 1:  # HSDP trades memory (smaller shard groups) for speed: unneeded when FSDP is as fast
+        out.append(("hsdp", [{"parallel.dp_replicate": 1}]))
     lighter = {"full": ["none", "selective"], "selective": ["none"]}.get(p.recompute, [])
     if lighter:
         out.append(("recompute", [{"parallel.recompute": r} for r in lighter]))
     if p.zero > 0:
-        out.append(("zero", [{"parallel.zero": z} for z in range(p.zero)]))
+        hsdp_off = {"parallel.dp_replicate": 1} if p.dp_replicate > 1 else {}  # HSDP needs zero >= 2
+        out.append(("zero", [{"parallel.zero": z, **(hsdp_off if z < 2 else {})} for z in range(p.zero)]))
     return out
 
 
@@ -175,6 +181,7 @@ def remove(c: Ctx) -> Decision:
 def _value(cfg: Config, prim: str) -> str:
     p = cfg.parallel
     return {"cp": f"cp={p.cp}", "ep": f"ep={p.ep}", "pp": f"pp={p.pp}", "tp": f"tp={p.tp}",
+            "hsdp": f"dp_replicate={p.dp_replicate}",
             "recompute": f"recompute={p.recompute}", "zero": f"zero={p.zero}"}[prim]
 
 

@@ -5,6 +5,7 @@ FLOPs (part of curry_train.estimator; pure arithmetic, no torch).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 from curry_train.config import Config
@@ -108,8 +109,15 @@ def stage_split(x: _Layout) -> tuple[int, ...]:
     stages with. A pp_layers list that no longer fits the stage count (the planner varying pp) is dropped."""
     n_stages = x.pp * x.v
     explicit = x.pp_layers if x.pp_layers and len(x.pp_layers) == n_stages and sum(x.pp_layers) == x.L else None
-    return layers_per_stage(n_layers=x.L, pp=x.pp, pp_virtual=x.v, pp_layers=explicit, d_model=x.D, n_heads=x.H,
-                            n_kv_heads=x.G, d_ff=x.F, vocab_size=x.V, seq_len=x.s, num_experts=x.E, top_k=x.K)
+    return _split(x.L, x.pp, x.v, explicit, x.D, x.H, x.G, x.F, x.V, x.s, x.E, x.K)
+
+
+@lru_cache(maxsize=4096)
+def _split(L: int, pp: int, v: int, explicit: tuple[int, ...] | None, D: int, H: int, G: int, F: int, V: int,
+           s: int, E: int, K: int) -> tuple[int, ...]:
+    """layers_per_stage, cached: the planner asks for the same split once per rank and candidate."""
+    return layers_per_stage(n_layers=L, pp=pp, pp_virtual=v, pp_layers=explicit, d_model=D, n_heads=H,
+                            n_kv_heads=G, d_ff=F, vocab_size=V, seq_len=s, num_experts=E, top_k=K)
 
 
 def rank_layers(x: _Layout, stages: list[int] | tuple[int, ...]) -> int:
