@@ -12,8 +12,8 @@ from pydantic import BaseModel, Field
 from curry_train.estimator.acts import _acts, _moe_slots
 from curry_train.estimator.layout import _block_tensors, _Layout, flops_per_token, hardware_flops_per_token
 from curry_train.estimator.pipeline import bubble_fraction, stage_ids
-from curry_train.estimator.states import _states
 from curry_train.estimator.profiles import HardwareProfile
+from curry_train.estimator.states import _states
 
 FIRST_BUCKET_BYTES = 1 * 2**20  # DDP's first bucket; later ones are 25 MiB
 BUCKET_BYTES = 25 * 2**20

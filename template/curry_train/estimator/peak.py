@@ -115,7 +115,9 @@ def _peak(x: _Layout, pp_rank: int) -> _Peak:
         # New gradients are fresh tensors until the first backward has run (then autograd adds into .grad in
         # place), except under FSDP: each micro-step's unsharded grads are new (reduce-scattered away, or, under
         # mixed precision, folded into the fp32 accumulator only at the unit's post-backward).
-        fresh = ps.grads < 1 or (fsdp and (not fsdp_accum or x.path == "mp"))
+        # (DDP's bucket views are written in place: zeroed, never set to None, parallelize.Parallelized.zero_grad)
+        fresh = (ps.grads < 1 and not (x.ddp and DDP_GRADS_ARE_BUCKET_VIEWS)) or \
+            (fsdp and (not fsdp_accum or x.path == "mp"))
         gathered_fwd = st.all_units if (fsdp and not zero3) else 0  # zero 2 keeps every unit (root included)
 
         if has_head and ps.chunk == head_chunk:
