@@ -25,8 +25,8 @@ Per op, what autograd saves (measured on torch 2.13 CPU with saved-tensor hooks,
   and combined rows, per-expert SwiGLU intermediates (and each SelectBackward's full-size expert gradient in
   backward); ring attention (CP): q, the un-repeated k/v, an fp32 out and lse; TP's loss_parallel: an fp32
   log_softmax of the local vocabulary slice; the vocab-parallel embedding's gradient is full-size.
-Implementation buffers modelled: DDP's flat gradient buckets (gradient_as_bucket_view=False: a second fp32 copy
-of the gradients), ZeroRedundancyOptimizer's greedy whole-tensor partition, FSDP2's padded dim-0 shards, the
+Implementation buffers modelled: DDP's flat gradient buckets (gradient_as_bucket_view=True: the .grad tensors
+are views into them, so they are the gradients, alive from the wrap on), ZeroRedundancyOptimizer's greedy whole-tensor partition, FSDP2's padded dim-0 shards, the
 gathered units (zero 2: all of them from forward to backward; zero 3: root + current + prefetched block), the
 unsharded fp32 gradients FSDP2 accumulates under a pipeline (its schedule turns sync off for all micro-batches
 but the last; without PP the template reduce-scatters every micro-step), the reduce-scatter input kept in

@@ -20,6 +20,16 @@ PP_KEEPS_OUTPUTS = False
 # parallelize._grad_sync_fn: FSDP reduce-scatters on every micro-step (sharded grads accumulate), but a pipeline
 # schedule turns sync off for all but the last micro-batch, so FSDP under PP keeps unsharded fp32 accumulators
 FSDP_ACCUMULATES_UNSHARDED_UNDER_PP = True
+# parallel/ddp.py: gradient_as_bucket_view=True, so DDP's buckets (states.ddp_buckets, alive from the wrap on)
+# *are* the gradients of the parameters DDP manages; only parameters outside DDP (EP's expert shards) add grads
+DDP_GRADS_ARE_BUCKET_VIEWS = True
+
+
+def _with_buckets(grads: int, buckets: int) -> int:
+    """Gradient bytes alive given `grads` of .grad tensors (DDP-managed ones included) and DDP's buckets."""
+    if DDP_GRADS_ARE_BUCKET_VIEWS:
+        return buckets + max(0, grads - buckets)
+    return grads + buckets
 
 
 def _data_bytes(x: _Layout) -> int:
@@ -101,11 +111,13 @@ def _peak(x: _Layout, pp_rank: int) -> _Peak:
             grads_prev = int(ps.grads * (4 * st.n_local + tp_embed))
         else:  # DDP / ZeRO-1 .grad, or FSDP's sharded grads (reduce-scattered every micro-step)
             grads_prev = int(ps.grads * st.grads_full)
-        grads_prev += st.ddp_buckets
+        grads_prev = _with_buckets(grads_prev, st.ddp_buckets)
         # New gradients are fresh tensors until the first backward has run (then autograd adds into .grad in
         # place), except under FSDP: each micro-step's unsharded grads are new (reduce-scattered away, or, under
         # mixed precision, folded into the fp32 accumulator only at the unit's post-backward).
-        fresh = ps.grads < 1 or (fsdp and (not fsdp_accum or x.path == "mp"))
+        # (DDP's bucket views are written in place: zeroed, never set to None, parallelize.Parallelized.zero_grad)
+        fresh = (ps.grads < 1 and not (x.ddp and DDP_GRADS_ARE_BUCKET_VIEWS)) or \
+            (fsdp and (not fsdp_accum or x.path == "mp"))
         gathered_fwd = st.all_units if (fsdp and not zero3) else 0  # zero 2 keeps every unit (root included)
 
         if has_head and ps.chunk == head_chunk:
@@ -166,7 +178,8 @@ def _peak(x: _Layout, pp_rank: int) -> _Peak:
         p4, o4 = st.root_unit + st.unit_max, st.rs_buffer
     else:
         embed_grad = 4 * x.V * x.D if (has_embed and x.tp > 1) else (4 * (x.V // x.tp) * x.D if has_embed else 0)
-        g4 = (st.grads_full if acc else st.grads_full - 4 * blk_local - embed_grad + 4 * w2) + st.ddp_buckets
+        g4 = _with_buckets(st.grads_full if acc else st.grads_full - 4 * blk_local - embed_grad + 4 * w2,
+                           st.ddp_buckets)
         p4, o4 = 0, 0
     acts4 = data + a.rope + (a.embed if has_embed else 0) + a.layer_saved + rec + logits_end * a.logits - a.prod
     if x.pp > 1 and min(stages) != n_stages - 1:
@@ -174,7 +187,7 @@ def _peak(x: _Layout, pp_rank: int) -> _Peak:
     moments.append(("block backward (first)", p4 + a.pcopy_layer, g4, acts4, other0 + a.d_stream + a.ffn_bwd + o4,
                     {}))
     # the optimizer step (AdamW temporaries); a pipeline's last stage holds the logits step() kept, if it keeps them
-    moments.append(("optimizer step", 0, st.grads_full + st.ddp_buckets,
+    moments.append(("optimizer step", 0, _with_buckets(st.grads_full, st.ddp_buckets),
                     m * a.logits if (has_head and x.pp > 1 and PP_KEEPS_OUTPUTS) else 0,
                     other0 + st.step_transient, {"adamw_step": st.step_transient}))
 

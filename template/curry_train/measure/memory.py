@@ -18,8 +18,9 @@ category:
                 parameters are there at full size; ZeRO-3 frees each unit's copy after its forward and gathers it
                 again for its backward.
   grads         the `.grad` the optimizer reads: full under DDP / ZeRO-1, the 1/d shard under ZeRO-2/3.
-  grad_buffers  other gradient storage: DDP's flat all-reduce buckets (a second full copy of every gradient,
-                alive from the wrap on; apply_ddp uses gradient_as_bucket_view=False), FSDP's unsharded
+  grad_buffers  other gradient storage: DDP's flat all-reduce buckets while no .grad views them (apply_ddp uses
+                gradient_as_bucket_view=True: the .grad tensors are views into the buckets, which count as
+                `grads` once the backward has pointed .grad at them), FSDP's unsharded
                 gradients of a unit before its reduce-scatter, which persist across micro-batches when the
                 step accumulates without a sync (train.forward_backward reduces on the last micro-batch only).
   optimizer     optimizer state on this rank (AdamW exp_avg, exp_avg_sq, step); ZeRO-1..3 hold ~1/d of it.
@@ -184,7 +185,7 @@ class StepMemoryTracker(TorchDispatchMode):
                     self.copy_keys.update(self._register(t, "pre"))
         buckets = []
         for part in par.parts:
-            if isinstance(part, DistributedDataParallel) and not part.gradient_as_bucket_view:
+            if isinstance(part, DistributedDataParallel):
                 buckets += [b.buffer().nbytes for b in part.reducer._get_zeros_like_grad_buckets()]
         # The reducer owns its buckets in C++: they are counted by size until the reducer's first in-place write
         # into one shows its storage (`_adopt`), which then replaces the placeholder.
@@ -252,8 +253,10 @@ class StepMemoryTracker(TorchDispatchMode):
                     cat[c] += n
                     rest[tag] -= n
 
-        take("grad_buffers", list(self.bucket_keys))
+        # .grad first: under gradient_as_bucket_view a DDP bucket *is* the gradients it holds views of; while no
+        # .grad points into it (forward, after zero_grad) it is a gradient buffer
         take("grads", [st._cdata for p in self.params if p.grad is not None for st in _storages(p.grad)])
+        take("grad_buffers", list(self.bucket_keys))
         unsharded_grads = []
         for fp in self.fsdp_params:
             unsharded = fp.__dict__.get("_unsharded_param")
@@ -380,7 +383,7 @@ def measure_memory(cfg: Config, steps: int = 2) -> MemoryReport:
         forward_backward(par, steps - 1)
         tracker.in_optimizer = True
         par.optimizer.step()
-        par.optimizer.zero_grad(set_to_none=True)
+        par.zero_grad()
         tracker.in_optimizer = False
     extra = {}
     if cuda:

@@ -26,6 +26,8 @@ def apply_ddp(model: nn.Module, mesh: Any, cfg: Config) -> nn.Module:
     group = dp_cp_mesh(mesh).get_group()
     exclude_experts_from_ddp(model)  # EP: expert shards differ per rank; reduced over edp by sync_expert_grads
     # broadcast_buffers=False: the only buffers are the RoPE tables, identical on every rank by construction.
-    ddp = DistributedDataParallel(model, process_group=group, broadcast_buffers=False)
+    # gradient_as_bucket_view=True: each .grad is a view into DDP's flat all-reduce bucket instead of a second
+    # fp32 copy of every gradient (+4 B/param: 29.9 GiB at llama3-8b; torch DDP docs, gradient_as_bucket_view).
+    ddp = DistributedDataParallel(model, process_group=group, broadcast_buffers=False, gradient_as_bucket_view=True)
     sync_expert_grads(ddp, mesh, cfg)  # EP (expert_parallel.py): no-op without sharded experts
     return ddp

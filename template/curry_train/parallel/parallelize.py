@@ -54,6 +54,15 @@ class Parallelized:
             return loss_parallel()
         return nullcontext()
 
+    def zero_grad(self) -> None:
+        """Clear gradients for the next step. DDP (gradient_as_bucket_view=True) keeps each .grad a view into its
+        bucket and zeroes it in place: set to None, the first micro-steps of a step (no sync) would accumulate
+        into fresh tensors beside the buckets, a second full copy of the gradients until the synced backward."""
+        from torch.nn.parallel import DistributedDataParallel
+
+        ddp = any(isinstance(part, DistributedDataParallel) for part in self.parts)
+        self.optimizer.zero_grad(set_to_none=not ddp)
+
     def autocast(self) -> AbstractContextManager:
         """bf16 compute for the layouts FSDP's MixedPrecisionPolicy does not cover (DDP, single process)."""
         if self.cfg.train.dtype == "bfloat16" and not (self.topo.dp * self.topo.cp > 1 and self.cfg.parallel.zero >= 2):

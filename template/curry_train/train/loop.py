@@ -121,7 +121,7 @@ def train_step(par: Parallelized, step: int) -> StepResult:
     t0 = time.perf_counter()
     loss = forward_backward(par, step)
     par.optimizer.step()
-    par.optimizer.zero_grad(set_to_none=True)
+    par.zero_grad()
     if par.device.type == "cuda":
         torch.cuda.synchronize(par.device)
     dt = time.perf_counter() - t0
