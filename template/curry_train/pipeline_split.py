@@ -17,7 +17,6 @@ DeepSeek-V3 (61 layers). `parallel.pp_layers` overrides the choice.
 
 from __future__ import annotations
 
-import heapq
 from functools import lru_cache
 
 
@@ -62,23 +61,39 @@ def split_layers(n_layers: int, n_stages: int, layer_cost: int = 1, first_extra:
         k = caps(limit)
         return min(k) >= 1 and sum(k) >= L
 
-    cand = sorted({n * c + e for n in range(1, L - S + 2) for e in set(extra)})
-    lo, hi = 0, len(cand) - 1  # cand[-1] always fits: every stage can take L - S + 1 layers
+    if S == 1:
+        return (L,)
+    # (1) the smallest feasible maximum: fits() only changes at stage costs n * c + e, so the smallest feasible
+    # integer is one of them; bisect over integers (O(S log) whatever n_layers is).
+    lo, hi = 0, (L - S + 1) * c + max(extra)  # hi always fits: every stage can take L - S + 1 layers
     while lo < hi:
         mid = (lo + hi) // 2
-        if fits(cand[mid]):
+        if fits(mid):
             hi = mid
         else:
             lo = mid + 1
-    cap = caps(cand[lo])
-    counts = [1] * S
-    heap = [(c + extra[s], s) for s in range(S) if cap[s] > 1]  # (stage cost, stage): cheapest, then earliest
-    heapq.heapify(heap)
-    for _ in range(L - S):
-        cost, s = heapq.heappop(heap)
-        counts[s] += 1
-        if counts[s] < cap[s]:
-            heapq.heappush(heap, (cost + c, s))
+    cap = caps(lo)
+    # (2) "give the next layer to the cheapest stage, the earlier on a tie" in closed form: gifts happen in order
+    # of the receiving stage's current cost, so every gift at a cost below V happens before any at V. gifts(V)
+    # counts those below V; the last level V* takes the remaining gifts in stage order.
+    def gifts(v: int) -> list[int]:
+        return [min(cap[s] - 1, max(0, -(-(v - extra[s]) // c) - 1)) if cap[s] > 1 else 0 for s in range(S)]
+
+    need = L - S
+    a, b = 0, (L + 1) * c + max(extra)
+    while a < b:  # the largest V with sum(gifts(V)) <= need
+        mid = (a + b + 1) // 2
+        if sum(gifts(mid)) <= need:
+            a = mid
+        else:
+            b = mid - 1
+    counts = [1 + g for g in gifts(a)]
+    left = L - sum(counts)
+    for s in range(S):  # the stages whose next layer costs exactly V*, earliest first
+        if left and counts[s] < cap[s] and (counts[s]) * c + extra[s] == a:
+            counts[s] += 1
+            left -= 1
+    assert left == 0 and sum(counts) == L, (L, S, counts)
     return tuple(counts)
 
 

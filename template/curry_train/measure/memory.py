@@ -369,8 +369,7 @@ def measure_memory(cfg: Config, steps: int = 2) -> MemoryReport:
     for step in range(steps - 1):
         train_step(par, step)
     if any(not getattr(part, "_has_rebuilt_buckets", True) for part in par.parts):
-        # DDP re-allocates its buckets once, in the forward after the first synced backward (Li et al. 2020
-        # §3.2.3): warm up one more step so the measured one is the steady state.
+        # DDP re-allocates its buckets once, after the first synced backward (Li et al. 2020): warm up one more step
         train_step(par, steps - 1)
         steps += 1
     cuda = device.type == "cuda"
