@@ -37,6 +37,7 @@ from pydantic import BaseModel, Field
 
 from curry_train.advice.decide import Alt, Ctx, Decision, Primitive, Rejection
 from curry_train.advice.tune import decide
+from curry_train.breakdown import CATEGORIES
 from curry_train.config import Config
 from curry_train.estimator import Estimate, GiB, estimate, load_any, with_gpu
 from curry_train.estimator.profiles import get_profile
@@ -105,10 +106,9 @@ def _gib(n: float) -> str:
 
 
 def _mem(e: Estimate) -> str:
-    m = e.memory
-    return (f"{_gib(m.total)} on pipeline rank {m.pp_rank} at the {m.phase} (params {_gib(m.params)}, grads "
-            f"{_gib(m.grads)}, optimizer {_gib(m.optimizer)}, activations {_gib(m.activations)}, other "
-            f"{_gib(m.other)})")
+    m = e.memory  # every non-zero category of curry_train/breakdown.py, so the parts add up to the total
+    parts = ", ".join(f"{c.replace('_', ' ')} {_gib(getattr(m, c))}" for c in CATEGORIES if getattr(m, c, 0))
+    return f"{_gib(m.total)} on pipeline rank {m.pp_rank} at the {m.phase} ({parts})"
 
 
 def _budget(e: Estimate) -> str:
