@@ -75,7 +75,7 @@ SYMBOL_FILES = {
     "apply_cp": "parallel/context_parallel.py",
     "parallelize": "parallel/parallelize.py",
     "TopKRouter": "model/moe.py",
-    "Experts": "model/moe.py",
+    "Experts": "model/experts.py",
     "expert_load": "model/moe.py",
     "attention_work": "parallel/context_parallel.py",
 }

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import argparse
 
+from curry_train.cli.argtypes import positive_int
+
 
 def _cmd_prepare_data(a: argparse.Namespace) -> int:
     from curry_train.cli import EXIT_OK, emit
@@ -106,14 +108,14 @@ def add_subcommands(sub) -> None:
     p = sub.add_parser("prepare-data", help="write a text file as byte-level tokens (vocab 256) for data.path")
     p.add_argument("--text", required=True, help="a UTF-8 (or any) text file")
     p.add_argument("--out", required=True, help="the token file to write (e.g. data/input.bin)")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(fn=_cmd_prepare_data)
 
     p = sub.add_parser("launch-script", help="print a Slurm sbatch script or per-node torchrun commands")
     p.add_argument("--config", required=True, help="config name in configs/ or a YAML path")
     p.add_argument("--scheduler", required=True, help=f"one of {', '.join(SCHEDULERS)}")
-    p.add_argument("--nodes", type=int, default=None, help="nodes (default: hardware.nodes)")
-    p.add_argument("--gpus-per-node", type=int, default=None, help="GPUs per node (default: hardware.gpus_per_node)")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
-    p.add_argument("--root", default=None)
+    p.add_argument("--nodes", type=positive_int, default=None, help="nodes (default: hardware.nodes)")
+    p.add_argument("--gpus-per-node", type=positive_int, default=None, help="GPUs per node (default: hardware.gpus_per_node)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="dotted override, repeatable")
+    p.add_argument("--root", default=None, help="project root holding configs/ and runs/ (default: the checkout)")
     p.set_defaults(fn=_cmd_launch_script)

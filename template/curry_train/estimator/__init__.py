@@ -76,7 +76,7 @@ from curry_train.estimator.layout import (
     param_count,
     stage_split,
 )
-from curry_train.estimator.peak import PP_KEEPS_OUTPUTS, _peak
+from curry_train.estimator.peak import DDP_GRADS_ARE_BUCKET_VIEWS, PP_KEEPS_OUTPUTS, _peak
 from curry_train.estimator.pipeline import bubble_fraction, in_flight, pipe_states, stage_ids
 from curry_train.estimator.profiles import (
     GPU_NAMES,
@@ -160,7 +160,10 @@ def _breakdown(x: _Layout, pp_rank: int) -> MemoryBreakdown:
     own category here."""
     pk = _peak(x, pp_rank)
     d = pk.detail
-    copies, buckets, ppb = d.get("param_copies", 0), d.get("ddp_buckets", 0), d.get("pp_recv_buffers", 0)
+    copies, ppb = d.get("param_copies", 0), d.get("pp_recv_buffers", 0)
+    # under gradient_as_bucket_view the .grad tensors are views into DDP's buckets: the buckets *are* the grads
+    # (measure/memory.py counts them so once .grad points into them, as it does from the first backward on)
+    buckets = 0 if DDP_GRADS_ARE_BUCKET_VIEWS else d.get("ddp_buckets", 0)
     loss = d.get("loss_grads", 0)
     return MemoryBreakdown(params=pk.params - copies, param_copies=copies, grads=pk.grads - buckets,
                            grad_buffers=buckets, optimizer=pk.optimizer, activations=pk.activations,
