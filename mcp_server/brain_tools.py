@@ -12,7 +12,7 @@ from curry_train.advice.advisor import Recommendation
 from curry_train.advice.planner import Plan
 from curry_train.advice.sweep import SweepResult
 from curry_train.config import ConfigError
-from curry_train.estimator import Estimate
+from curry_train.estimator import GPU_NAMES, Estimate
 from curry_train.paths import UnsafeName
 from mcp.server.mcpserver import Context
 from mcp.server.mcpserver.exceptions import ToolError
@@ -37,8 +37,9 @@ from .app import (
     tool_error,
 )
 
-Gpu = Annotated[str | None, Field(description="The accelerator: A100-40, A100-80, H100, H200, B200, MI300X, L40S or "
-                                              "CPU. Sets the memory budget AND the speed (plan: the budget is the "
+_NAMES = ", ".join(GPU_NAMES)  # estimator/profiles.py: the one list of named profiles
+Gpu = Annotated[str | None, Field(description=f"The accelerator: one of {_NAMES}. Sets the memory budget AND "
+                                              "the speed (plan: the budget is the "
                                               "smaller of its memory and gpu_memory_gib); the answer names the "
                                               "profile used. Omitted: the budget is gpu_memory_gib and the speed "
                                               "is assumed from it, and the answer says so.")]
@@ -105,7 +106,7 @@ def recommend_next(
     overrides: Overrides = {},  # noqa: B006
     measured_peak_bytes: Annotated[int | None, Field(
         gt=0, description="bench's peak_memory_bytes, when a measurement says OOM but the estimate fits.")] = None,
-    hardware: Annotated[str | None, Field(description="Speed profile: A100-40, A100-80, H100, H200 or CPU (default: "
+    hardware: Annotated[str | None, Field(description=f"Speed profile: one of {_NAMES} (default: "
                                                       "guessed from the config). The memory budget stays the "
                                                       "config's hardware.gpu_memory_gib (set it in overrides).")]
     = None,
@@ -159,7 +160,7 @@ def plan(
     seq_len: Annotated[int, Field(ge=2, le=10_000_000, description="Tokens per sequence.")],
     global_batch: Annotated[int, Field(ge=1, le=100_000_000, description="Sequences per optimizer step.")],
     micro_batch: Annotated[int, Field(ge=1, description="Sequences per data-parallel rank per forward.")] = 1,
-    hardware: Annotated[str | None, Field(description="Hardware profile: A100-40, A100-80, H100, H200 (default: "
+    hardware: Annotated[str | None, Field(description=f"Hardware profile: one of {_NAMES} (default: "
                                                       "guessed from gpu_memory_gib).")] = None,
     plot: Annotated[bool, Field(description="Also return a PNG: the pipeline-schedule timeline of the final layout "
                                             "(its bubble), or its memory breakdown without a pipeline.")] = False,

@@ -191,8 +191,11 @@ def add_subcommands(subparsers: Any) -> None:
 
     int_at_least_2 = int_at_least(2)  # config.py: train.seq_len >= 2
 
-    hw_help = "hardware profile for the step time only: A100-40, A100-80, H100, H200, B200, MI300X, L40S, CPU"
-    gpu_help = ("the accelerator: A100-40, A100-80, H100, H200, B200, MI300X, L40S or CPU; sets the memory budget "
+    from curry_train.estimator import GPU_NAMES
+
+    names = ", ".join(GPU_NAMES)  # estimator/profiles.py: the one list of named profiles
+    hw_help = f"hardware profile for the step time only: {names}"
+    gpu_help = (f"the accelerator: {names}; sets the memory budget "
                 "AND the speed (default: the config's gpu_memory_gib, speed assumed from it and said)")
     p = subparsers.add_parser("estimate", help="per-rank memory, communication, FLOPs and step time (no run)")
     add_config_args(p)
