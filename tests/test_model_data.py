@@ -55,3 +55,28 @@ def test_tiny_loss_falls_over_50_steps():
     assert losses[0] > 5.0  # ~ln(256) at init
     assert sum(losses[-5:]) / 5 < 0.5 * losses[0], losses[::10]
     assert count_params(par.parts[0]) > 0
+
+
+def test_a_rank_generates_only_its_own_synthetic_rows_and_gets_the_reference_slices(monkeypatch):
+    """Issue 16: the data path never generates more than the rank needs (row i of step s has its own seed)."""
+    from curry_train.model import data
+
+    cfg = load_config(TINY, {"parallel.dp": 2, "parallel.cp": 2, "train.micro_batch": 1})
+    x, y = global_batch(cfg, 5)
+    built: list[int] = []
+    real = data._synthetic_rows
+
+    def counting(cfg, step, rows):
+        rows = list(rows)
+        built.extend(rows)
+        return real(cfg, step, rows)
+
+    monkeypatch.setattr(data, "_synthetic_rows", counting)
+    for dp in range(2):
+        for cp in range(2):
+            built.clear()
+            pos = cp_positions(64, 2, cp)
+            got = list(data.rank_micro_batches(cfg, 5, dp, cp))
+            assert sorted(built) == list(range(dp * 4, dp * 4 + 4))  # its 4 rows of 8, nothing else
+            for m, (xb, yb, _) in enumerate(got):
+                assert torch.equal(xb[0], x[dp * 4 + m, pos]) and torch.equal(yb[0], y[dp * 4 + m, pos])

@@ -74,3 +74,29 @@ def test_checksum_sees_one_flipped_bit_and_a_swap():
     s = t.clone()
     s[[3, 4]] = s[[4, 3]]
     assert checksum(s) != checksum(t) and checksum(t.clone()) == checksum(t)
+
+
+def _drifted(param_drift: float, grad_diff: float) -> tuple[dict, dict]:
+    """Two 2-step runs: the parallel weights after step 0 differ by `param_drift` (relative L2), its step-1
+    gradient by `grad_diff` in one element; gradients of max 1.0, an update of 1.0 per element."""
+    before, after = {"w": torch.zeros(4)}, {"w": torch.ones(4)}
+    g = {"w": torch.tensor([1.0, 0.5, 0.0, -0.25])}
+    ref = {"losses": [1.0, 1.0], "grads": [g, g], "params": [after, after], "params_before": before,
+           "replicas": [{}, {}], "holders": [{"w": 1}] * 2}
+    p0 = {"w": after["w"] + torch.tensor([param_drift * 2.0, 0.0, 0.0, 0.0])}  # ||p|| = 2
+    g1 = {"w": g["w"] + torch.tensor([0.0, 0.0, grad_diff, 0.0])}
+    par = {**ref, "grads": [g, g1], "params": [p0, p0]}
+    return ref, par
+
+
+def test_later_step_gradients_allow_the_drift_the_update_bound_admits_and_no_more():
+    """compare.py docstring, "drift": the step-1 bound grows by grad_drift * delta * max|g|, delta measured."""
+    cfg = load_config(TINY)
+    kappa = 30.0
+    ok = compare(cfg, *_drifted(1e-4, 0.9 * kappa * 1e-4), 2)
+    assert ok.passed, ok.failures
+    bad = compare(cfg, *_drifted(1e-4, 1.2 * kappa * 1e-4 + 1e-6), 2)
+    assert not bad.passed and "grad[step 1] w" in bad.failures[0]
+    # without drift the tight bound holds: the same gradient difference fails
+    tight = compare(cfg, *_drifted(0.0, 0.9 * kappa * 1e-4), 2)
+    assert not tight.passed and "grad[step 1] w" in tight.failures[0]

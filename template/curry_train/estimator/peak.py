@@ -33,13 +33,13 @@ def _with_buckets(grads: int, buckets: int) -> int:
 
 
 def _data_bytes(x: _Layout) -> int:
-    """Token ids alive for the whole step: every rank builds the whole global batch (inputs and targets,
-    data.global_batch) and its positions; a pipeline also concatenates its micro-batches (pipeline.py)."""
+    """Token ids alive at the peak: a rank builds only its own rows (data.rank_micro_batches), one micro-batch's
+    inputs and targets [b, s/cp] int64 at a time, and its positions; a pipeline's first and last stages hold all
+    m micro-batches concatenated (pipeline.py: tokens on the first, targets on the last), a middle stage none."""
     T = x.s // x.cp
-    out = 2 * x.gb * x.s * 8 + T * 8
     if x.pp > 1:
-        out += 2 * x.m * x.b * T * 8  # the torch.cat of every micro-batch's x and y (the schedule slices views)
-    return out
+        return 2 * x.m * x.b * T * 8 + T * 8
+    return 2 * x.b * T * 8 + T * 8
 
 
 @lru_cache(maxsize=8192)

@@ -4,8 +4,10 @@
 
 The stream is a sparse Markov chain: each token has 4 successors drawn once from the seed, taken with
 probabilities 0.7/0.15/0.1/0.05. A model can learn it (entropy ~1.0 nat vs ln V at init), so the loss falls.
-Every rank generates the *whole* global batch of a step (B*T ids, cheap) and slices its part, so the split
-never changes the data.
+Row i of step s has its own generator (seeded by seed, s, i), so a rank generates only its own rows and the
+split never changes the data: at the llama3-8b preset (512 x 8192 tokens, dp 8) a rank builds 64 rows, not 512.
+The chain is sequential in t, so a CP rank still generates its rows' whole sequences (T ids per row) and keeps
+its positions.
 
 A token file (`data.path`, data.dtype uint16 | uint32: the nanoGPT `.bin` layout, raw ids and no header, e.g.
 from `curry-train prepare-data`) is memory-mapped (numpy.memmap): row i of step s is the window
@@ -35,16 +37,29 @@ def _successors(vocab: int, seed: int) -> torch.Tensor:
 
 
 def global_batch(cfg: Config, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(inputs, targets), each [global_batch, seq_len] int64, for optimizer step `step`."""
+    """(inputs, targets), each [global_batch, seq_len] int64, for optimizer step `step` (the reference's view)."""
+    return batch_rows(cfg, step, range(cfg.train.global_batch))
+
+
+def batch_rows(cfg: Config, step: int, rows, positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(inputs, targets) [len(rows), T or len(positions)] int64: global rows `rows` of step `step`."""
     if cfg.data.path:
-        return file_rows(cfg, step, range(cfg.train.global_batch))
-    V, B, T = cfg.model.vocab_size, cfg.train.global_batch, cfg.train.seq_len
-    succ = _successors(V, cfg.train.seed)
-    g = torch.Generator().manual_seed(cfg.train.seed * 1_000_003 + step)
-    tokens = torch.empty(B, T + 1, dtype=torch.long)
-    tokens[:, 0] = torch.randint(0, V, (B,), generator=g)
-    choice = torch.multinomial(_SUCC_PROBS.expand(B, -1), T, replacement=True, generator=g)  # [B, T]
-    for t in range(T):
+        return file_rows(cfg, step, rows, positions)
+    x, y = _synthetic_rows(cfg, step, rows)
+    return (x, y) if positions is None else (x[:, positions], y[:, positions])
+
+
+def _synthetic_rows(cfg: Config, step: int, rows) -> tuple[torch.Tensor, torch.Tensor]:
+    V, T, seed = cfg.model.vocab_size, cfg.train.seq_len, cfg.train.seed
+    succ = _successors(V, seed)
+    rows = list(rows)
+    tokens = torch.empty(len(rows), T + 1, dtype=torch.long)  # [R, T+1]
+    choice = torch.empty(len(rows), T, dtype=torch.long)  # [R, T]: which of the 4 successors follows
+    for j, i in enumerate(rows):  # one generator per row: any subset of rows is generated identically
+        g = torch.Generator().manual_seed((seed * 1_000_003 + step) * 1_000_033 + i)
+        tokens[j, 0] = torch.randint(0, V, (1,), generator=g)
+        choice[j] = torch.multinomial(_SUCC_PROBS, T, replacement=True, generator=g)
+    for t in range(T):  # vectorised over the rows; the chain is sequential in t
         tokens[:, t + 1] = succ[tokens[:, t], choice[:, t]]
     return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
@@ -134,16 +149,13 @@ def file_rows(cfg: Config, step: int, rows, positions: torch.Tensor | None = Non
 
 
 def rank_micro_batches(cfg: Config, step: int, dp_rank: int, cp_rank: int = 0):
-    """`micro_batches` of step `step` for one rank, reading only that rank's rows and positions from a token
-    file; the synthetic stream is generated whole and sliced (it is defined for the whole batch)."""
-    if not cfg.data.path:
-        yield from micro_batches(cfg, *global_batch(cfg, step), dp_rank, cp_rank)
-        return
+    """`micro_batches` of step `step` for one rank, built from that rank's rows only (and, from a token file,
+    only its CP positions): the same tensors as slicing `global_batch`, without the rest of the batch."""
     mb, n = cfg.train.micro_batch, cfg.num_microbatches
     pos = cp_positions(cfg.train.seq_len, cfg.parallel.cp, cp_rank)
     for m in range(n):
         lo = dp_rank * mb * n + m * mb
-        x, y = file_rows(cfg, step, range(lo, lo + mb), pos if cfg.parallel.cp > 1 else None)
+        x, y = batch_rows(cfg, step, range(lo, lo + mb), pos if cfg.parallel.cp > 1 else None)
         yield x, y, pos
 
 

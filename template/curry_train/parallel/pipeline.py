@@ -38,7 +38,7 @@ from torch import nn
 
 from curry_train.config import Config
 from curry_train.mesh import dp_cp_mesh
-from curry_train.model.data import cp_positions, micro_batches
+from curry_train.model.data import cp_positions, rank_micro_batches
 from curry_train.model.gpt import lm_loss
 from curry_train.pipeline_split import pipeline_stage_ids, split_for, stage_layer_range
 
@@ -157,20 +157,26 @@ def _plain(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
-def pipeline_forward_backward(par, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """One step's forward and backward through the pipeline for this dp (and cp) rank's rows.
+def pipeline_forward_backward(par, step: int) -> torch.Tensor:
+    """Optimizer step `step`'s forward and backward through the pipeline for this dp (and cp) rank's rows.
 
-    inputs/targets: the whole global batch [global_batch, T]. Returns the global mean loss on every rank.
+    Only the owners of the first stage (tokens) and of the last (targets) build this rank's micro-batches; a
+    middle stage reads no data. Returns the global mean loss on every rank.
     """
     cfg, topo = par.cfg, par.topo
     coords = topo.coords(dist.get_rank())
-    mbs = list(micro_batches(cfg, inputs, targets, coords["dp"], coords["cp"]))
-    x = torch.cat([m[0] for m in mbs]).to(par.device)  # [m * mb, T / cp]; the schedule re-splits it into m
-    y = torch.cat([m[1] for m in mbs]).to(par.device)
     last = cfg.parallel.pp * cfg.parallel.pp_virtual - 1
+    first_stage, last_stage = 0 in par.stage_ids, last in par.stage_ids
+    args: tuple[torch.Tensor, ...] = ()
+    kwargs: dict[str, Any] = {}
     losses: list[torch.Tensor] = []
-    args = (x,) if 0 in par.stage_ids else ()  # the owner of stage 0 feeds the tokens
-    kwargs = {"target": y, "losses": losses} if last in par.stage_ids else {}
+    if first_stage or last_stage:
+        mbs = list(rank_micro_batches(cfg, step, coords["dp"], coords["cp"]))
+        if first_stage:  # the owner of stage 0 feeds the tokens [m * mb, T / cp]; the schedule re-splits into m
+            args = (torch.cat([m[0] for m in mbs]).to(par.device),)
+        if last_stage:
+            kwargs = {"target": torch.cat([m[1] for m in mbs]).to(par.device), "losses": losses}
+        del mbs  # only the concatenated copies stay alive through the schedule
     # loss_parallel must cover the backward too (the schedule runs it inside step()). return_outputs=False: the
     # last stage would otherwise keep every micro-batch's logits [mb, T, V] in output_chunks until the next step
     # (torch 2.13 schedules.py, stage.forward_one_chunk's save_forward_output); only the losses are used here.

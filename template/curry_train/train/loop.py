@@ -3,7 +3,7 @@
     python -m curry_train.train.loop --config configs/tiny.yaml                              # one process
     torchrun --nproc-per-node 2 -m curry_train.train.loop --config configs/tiny.yaml --set parallel.dp=2
 
-Each step takes the whole global batch, this rank's micro-batches of it, accumulates gradients (reducing only on
+Each step builds only this rank's micro-batches of the global batch (model/data.py), accumulates gradients (reducing only on
 the last micro-step), then steps the optimizer. Logs loss, step time and tokens/s per step as JSON lines on stderr
 (stdout stays free for callers such as the MCP server).
 """
@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from curry_train.config import Config, ConfigError, load_config, parse_sets
 from curry_train.mesh import Topology, build_mesh, device_type, node_layout
-from curry_train.model.data import global_batch, rank_micro_batches
+from curry_train.model.data import rank_micro_batches
 from curry_train.model.gpt import aux_loss, build_meta_model, lm_loss
 from curry_train.parallel.parallelize import Parallelized, grad_reduce_group, parallelize
 from curry_train.train.optim import install as install_optim_hooks
@@ -90,7 +90,7 @@ def forward_backward(par: Parallelized, step: int) -> torch.Tensor:
     if topo.pp > 1:
         from curry_train.parallel.pipeline import pipeline_forward_backward
 
-        return pipeline_forward_backward(par, *global_batch(cfg, step))
+        return pipeline_forward_backward(par, step)
     coords = topo.coords(rank())
     model, n = par.parts[0], cfg.num_microbatches
     losses = []

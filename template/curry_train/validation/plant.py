@@ -197,19 +197,16 @@ def cp_local_lse(stack, cfg: Config, target: str | None) -> Planted:
 
 
 def data_same_rows(stack, cfg: Config, target: str | None) -> Planted:
-    """Every dp rank reads dp rank 0's rows (loop imports rank_micro_batches, pipeline micro_batches, by name)."""
+    """Every dp rank reads dp rank 0's rows (loop and pipeline import rank_micro_batches by name)."""
     from curry_train.model import data
     from curry_train.parallel import pipeline
     from curry_train.train import loop
-
-    def rank0_rows(cfg, inputs, targets, dp_rank, cp_rank=0):
-        return data.micro_batches(cfg, inputs, targets, 0, cp_rank)
 
     def rank0_step(cfg, step, dp_rank, cp_rank=0):
         return data.rank_micro_batches(cfg, step, 0, cp_rank)
 
     _patch(stack, loop, "rank_micro_batches", rank0_step)
-    _patch(stack, pipeline, "micro_batches", rank0_rows)
+    _patch(stack, pipeline, "rank_micro_batches", rank0_step)
     return Planted()
 
 
