@@ -22,6 +22,8 @@ import os
 import sys
 from typing import Any
 
+from curry_train.cli.argtypes import port_number
+
 DEFAULT_PORT = 8765
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 MIN_TOKEN_CHARS = 16
@@ -99,11 +101,13 @@ def serve(http: bool = False, port: int = DEFAULT_PORT, host: str = "127.0.0.1",
 
 def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--http", action="store_true", help="serve streamable HTTP on 127.0.0.1 instead of stdio")
-    p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"HTTP port (default {DEFAULT_PORT})")
+    p.add_argument("--port", type=port_number, default=DEFAULT_PORT,
+                   help=f"HTTP only: the 127.0.0.1 port to listen on, 1-65535 (default {DEFAULT_PORT})")
     p.add_argument("--token-env", metavar="NAME", default=None,
                    help="HTTP only: require `Authorization: Bearer <token>`, the token read from environment variable "
                         "NAME (at least 16 characters)")
-    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                   help="server log verbosity, written to stderr (stdout carries only the protocol); default INFO")
 
 
 def _cmd(a: argparse.Namespace) -> int:

@@ -25,6 +25,8 @@ BAD_NUMBERS = [  # (command + arguments, option named in the message, the range 
     (["bench", "--timeout", "nan"], "--timeout", "> 0"),
     (["plan", "--model", "tiny", "--margin", "1"], "--margin", "[0, 1)"),
     (["sweep", "--max-micro-batch", "0"], "--max-micro-batch", ">= 1"),
+    (["mcp", "--http", "--port", "70000"], "--port", "<= 65535"),
+    (["mcp", "--http", "--port", "0"], "--port", ">= 1"),
 ]
 
 
@@ -51,14 +53,14 @@ def _numeric_options():
 
 def test_every_numeric_option_has_a_range_checking_type():
     # a bare int/float lets -3 through to a traceback deep in the tool; whitebox is validated in its own module
-    # (issue 20 items 1-2) and `mcp --port` lives in mcp_server/cli.py
+    # (issue 20 items 1-2)
     bare = [f"{n} {a.option_strings}" for n, a in _numeric_options() if a.type in (int, float)
-            and (n, a.dest) not in {("whitebox", "steps"), ("whitebox", "timeout"), ("mcp", "port")}]
+            and (n, a.dest) not in {("whitebox", "steps"), ("whitebox", "timeout")}]
     assert bare == []
 
 
 def test_every_option_has_help_and_the_help_shows_defaults(project):
-    owned_elsewhere = {("whitebox", "timeout"), ("mcp", "log_level")}  # validation/whitebox CLI; mcp_server/cli.py
+    owned_elsewhere = {("whitebox", "timeout")}  # the validation/whitebox CLI
     missing = [f"{n} {a.option_strings}" for n, a in _numeric_options()
                if not isinstance(a, argparse._HelpAction) and not a.help and (n, a.dest) not in owned_elsewhere]
     assert missing == []

@@ -139,8 +139,8 @@ def ladder_rungs(cfg: Config) -> list[tuple[str, dict[str, Any]]]:
             if e > 1:
                 rungs.append((f"ep{e}", {**base, "dp": avail, "zero": 3, "recompute": "full", "ep": e}))
         if h.nodes > 1 and t > 1:
-            pp = min((p for p in range(2, m.n_layers + 1) if m.n_layers % p == 0 and (avail // t) % p == 0),
-                     default=None)
+            # uneven stages are fine (pipeline_split.py balances them), so any pp <= n_layers dividing the GPUs
+            pp = min((p for p in range(2, m.n_layers + 1) if (avail // t) % p == 0), default=None)
             if pp:
                 dp = avail // (t * pp)
                 rungs.append((f"tp{t}+pp{pp}", {**base, "dp": dp, "zero": 3 if dp > 1 else 0, "recompute": "full",

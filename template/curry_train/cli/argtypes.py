@@ -37,6 +37,14 @@ def int_at_least(lo: int, what: str = "an integer", *, allow_exponent: bool = Fa
     return parse
 
 
+def port_number(text: str) -> int:
+    """argparse type: a TCP port, 1..65535 (0 would make the OS pick one the client cannot know)."""
+    v = int_at_least(1, "a port number")(text)
+    if v > 65535:
+        raise argparse.ArgumentTypeError(f"must be a port number <= 65535, got {text!r}")
+    return v
+
+
 def _float_or_none(text: str) -> float | None:
     try:
         v = float(text)
