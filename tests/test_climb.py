@@ -187,3 +187,6 @@ def test_the_readme_climb_runs_for_real_and_fits_in_at_least_three_rungs(project
     out = json.loads(r.stdout)
     assert out["fits"] and len(out["rungs"]) >= 4  # baseline + at least three primitives
     assert all(g["parity"] in ("ref", "passed") for g in out["rungs"])
+    rungs = out["rungs"]  # one training run: rung k resumed rung k-1's checkpoint, at the step it reached
+    assert all(g["resumed_from"] == p["checkpoint"] and g["start_step"] == p["start_step"] + len(p["losses"])
+               for p, g in zip(rungs, rungs[1:]))
