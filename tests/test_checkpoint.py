@@ -169,3 +169,21 @@ def test_moe_resume_changes_expert_parallel_and_matches_the_single_device_run(tm
     print(json.dumps({"reference": ref, "resumed": {str(MOE_PAIRS[i]): v for i, v in table.items()}}))
     for i, losses in table.items():
         assert losses == pytest.approx(ref[_cfg(MOE_PAIRS[i][0], MOE).model.num_experts], rel=1e-5), MOE_PAIRS[i]
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
+def test_cli_saves_with_expert_parallel_and_resumes_without_it_through_torchrun(tmp_path, project, capsys):
+    from curry_train.cli import main
+
+    ck = tmp_path / "ck"
+    base = ["train", "--config", "tiny-moe", "--root", str(project), "--json", "--set", "train.steps=4"]
+    assert main([*base, "--set", "parallel.dp=2", "--set", "parallel.ep=2", "--checkpoint-dir", str(ck),
+                 "--save-every", "2"]) == 0
+    first = json.loads(capsys.readouterr().out)["metrics"]
+    assert main([*base, "--set", "parallel.dp=2", "--set", "parallel.zero=3", "--resume", str(ck / "step-000002")]) == 0
+    resumed = json.loads(capsys.readouterr().out)["metrics"]
+    ref = _single(tmp_path, {"train.lr_schedule": "constant", "train.warmup_steps": 0, "train.grad_clip": 0.0},
+                  base=project / "configs" / "tiny-moe.yaml")["losses"]
+    assert resumed["start_step"] == 2
+    assert first["losses"][:2] + resumed["losses"] == pytest.approx(ref, rel=1e-5)
