@@ -20,20 +20,31 @@ PAIRS = [  # (layout A, layout B): every parallel setting may change
     ({"parallel.tp": 2}, {"parallel.dp": 4, "parallel.zero": 3}),
 ]
 
+MOE = PRESETS / "tiny-moe.yaml"
+E2 = {"model.num_experts": 2}
+MOE_PAIRS = [  # experts are saved under their global index, so ep (and how FSDP shards the experts) may change
+    ({"parallel.dp": 2, "parallel.ep": 2}, {"parallel.dp": 2, "parallel.zero": 3}),  # ep2 DDP -> ep1 ZeRO-3
+    ({}, {"parallel.dp": 2, "parallel.ep": 2, "parallel.zero": 3}),  # one device -> ep2 ZeRO-3
+    # ep2 with FSDP's Shard(0) of the 2 local experts over edp=2 (nested in the EP slice) -> ep2 DDP
+    ({"parallel.dp": 4, "parallel.ep": 2, "parallel.zero": 3}, {"parallel.dp": 2, "parallel.ep": 2}),
+    # 1 local expert over edp=2: FSDP shards a hidden dim (expert_shard_placement) -> one device
+    ({"parallel.dp": 4, "parallel.ep": 2, "parallel.zero": 2, **E2}, E2),
+]
 
-def _cfg(o: dict):
-    return load_config(TINY, {**STEPS, **o})
+
+def _cfg(o: dict, base=TINY):
+    return load_config(base, {**STEPS, **o})
 
 
-def _spec(o: dict, **kw) -> dict:
-    return {"kind": "train", "config": _cfg(o).to_dict(), "out_dir": "/tmp", **kw}
+def _spec(o: dict, base=TINY, **kw) -> dict:
+    return {"kind": "train", "config": _cfg(o, base).to_dict(), "out_dir": "/tmp", **kw}
 
 
-def _single(tmp_path, **kw) -> dict:
+def _single(tmp_path, o: dict | None = None, base=TINY, **kw) -> dict:
     from curry_train.train.loop import run_training
 
     torch.set_num_threads(1)
-    return run_training(_cfg({}), **kw)
+    return run_training(_cfg(o or {}, base), **kw)
 
 
 def test_single_process_save_and_resume_continue_the_same_run(tmp_path):
@@ -138,3 +149,41 @@ def test_cli_saves_in_one_layout_and_resumes_in_another_through_torchrun(tmp_pat
     assert main([*base, "--set", "parallel.tp=2", "--set", "parallel.zero=2", "--resume", str(ck / "step-000002")]) == 0
     resumed = json.loads(capsys.readouterr().out)["metrics"]
     assert resumed["start_step"] == 2 and resumed["losses"] == pytest.approx(first["losses"][2:], rel=1e-5)
+
+
+@pytest.mark.multirank
+def test_moe_resume_changes_expert_parallel_and_matches_the_single_device_run(tmp_path):
+    from curry_train.train.jobs import rank_jobs
+
+    ref = {4: _single(tmp_path, base=MOE)["losses"], 2: _single(tmp_path, E2, base=MOE)["losses"]}
+    ck = [tmp_path / f"moe{i}" for i in range(len(MOE_PAIRS))]
+    first = {1: _single(tmp_path, MOE_PAIRS[1][0], base=MOE, checkpoint_dir=str(ck[1]), save_every=2)["losses"]}
+    for world in (2, 4):  # layout A, saving at step 2, one launch per world size
+        idx = [i for i, (a, _) in enumerate(MOE_PAIRS) if _cfg(a, MOE).world_size == world]
+        specs = [_spec(MOE_PAIRS[i][0], MOE, checkpoint_dir=str(ck[i]), save_every=2) for i in idx]
+        first.update(zip(idx, (o["losses"] for o in launch_forkserver(rank_jobs, world, specs, timeout=600)[0])))
+    resumed = {3: _single(tmp_path, E2, base=MOE, resume=str(ck[3] / "step-000002"))["losses"]}
+    specs = [_spec(MOE_PAIRS[i][1], MOE, resume=str(ck[i] / "step-000002")) for i in (0, 1, 2)]
+    resumed.update(zip((0, 1, 2), (o["losses"] for o in launch_forkserver(rank_jobs, 2, specs, timeout=600)[0])))
+    table = {i: first[i][:2] + resumed[i] for i in range(len(MOE_PAIRS))}
+    print(json.dumps({"reference": ref, "resumed": {str(MOE_PAIRS[i]): v for i, v in table.items()}}))
+    for i, losses in table.items():
+        assert losses == pytest.approx(ref[_cfg(MOE_PAIRS[i][0], MOE).model.num_experts], rel=1e-5), MOE_PAIRS[i]
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
+def test_cli_saves_with_expert_parallel_and_resumes_without_it_through_torchrun(tmp_path, project, capsys):
+    from curry_train.cli import main
+
+    ck = tmp_path / "ck"
+    base = ["train", "--config", "tiny-moe", "--root", str(project), "--json", "--set", "train.steps=4"]
+    assert main([*base, "--set", "parallel.dp=2", "--set", "parallel.ep=2", "--checkpoint-dir", str(ck),
+                 "--save-every", "2"]) == 0
+    first = json.loads(capsys.readouterr().out)["metrics"]
+    assert main([*base, "--set", "parallel.dp=2", "--set", "parallel.zero=3", "--resume", str(ck / "step-000002")]) == 0
+    resumed = json.loads(capsys.readouterr().out)["metrics"]
+    ref = _single(tmp_path, {"train.lr_schedule": "constant", "train.warmup_steps": 0, "train.grad_clip": 0.0},
+                  base=project / "configs" / "tiny-moe.yaml")["losses"]
+    assert resumed["start_step"] == 2
+    assert first["losses"][:2] + resumed["losses"] == pytest.approx(ref, rel=1e-5)

@@ -1,7 +1,8 @@
 """The main job: `curry-train climb` walks the ladder until the budget fits, one white-boxed primitive per rung.
 
-The loop is tested with bench / white-box replaced by the estimator (no launch); the last test is the README's
-command for real (torchrun, the advisor, the estimator, the white-box), marked slow.
+The loop is tested with bench / white-box replaced by the estimator (no launch); a short real climb checks that
+each rung resumes the previous rung's checkpoint (the loss curve continues the single-device run); the last test
+is the README's command for real (torchrun, the advisor, the estimator, the white-box), marked slow.
 """
 
 from __future__ import annotations
@@ -17,20 +18,27 @@ from curry_train.cli import climb as climb_mod
 from curry_train.cli.climb import climb, format_table
 from curry_train.config import load_config
 from curry_train.estimator import estimate_memory
+from curry_train.measure import bench as bench_mod
 from curry_train.measure import service
 from curry_train.measure.bench import BenchResult, EstimateSide, MemoryBreakdown
 from curry_train.measure.preflight import cpu_rank_cap
 from curry_train.store.configs import history
 
+REAL_BENCH = bench_mod.bench
+
 
 @pytest.fixture
 def fake_runs(monkeypatch):
     """bench = the estimator's total (+1%); whitebox passes unless a layout is listed in `broken`."""
-    calls: dict[str, list] = {"bench": [], "whitebox": [], "recommend": []}
+    calls: dict[str, list] = {"bench": [], "whitebox": [], "recommend": [], "resume": []}
     broken: list[dict] = []
 
-    def fake_bench(name, steps=5, warmup=1, overrides=None, *, root=None, timeout=0, cancel=None, progress=None):
+    def fake_bench(name, steps=5, warmup=1, overrides=None, *, root=None, timeout=0, cancel=None, progress=None,
+                   resume=None, save_checkpoint=False):
         cfg, _ = service.resolve(name, overrides, root)
+        calls["resume"].append(resume)
+        start = int(resume.rsplit("-", 1)[1]) if resume else 0
+        ck = f"/runs/bench-{len(calls['bench']) + 1}/checkpoints/step-{start + warmup + steps:06d}"
         est = estimate_memory(cfg).memory
         peak = int(est.total * 1.01)
         calls["bench"].append(cfg.parallel.model_dump())
@@ -39,9 +47,10 @@ def fake_runs(monkeypatch):
             run_id=f"bench-{len(calls['bench'])}", config_name=name, world_size=cfg.world_size, device="cpu",
             parallel=cfg.parallel.model_dump(), steps=steps, warmup=warmup, step_time_s=0.01, tokens_per_s=1.0,
             peak_memory_bytes=peak, memory_breakdown=MemoryBreakdown(peak=peak), memory_budget_bytes=budget,
-            losses=[5.0], loss_finite=True, oom=peak > budget,
+            losses=[5.0] * (warmup + steps), loss_finite=True, oom=peak > budget,
             estimate=EstimateSide(**{k: getattr(est, k) for k in ("params", "grads", "optimizer", "activations",
-                                                                 "other", "total")}), wall_s=0.1)
+                                                                 "other", "total")}), wall_s=0.1,
+            start_step=start, resumed_from=resume, checkpoint=ck if save_checkpoint else None)
 
     def fake_whitebox(name, overrides=None, *, steps=2, root=None, timeout=0, cancel=None, inject=None):
         assert steps == 2  # the climb proves two updates per rung (optimizer bugs show in the second)
@@ -84,6 +93,48 @@ def test_climbs_one_white_boxed_primitive_per_rung_until_the_budget_fits(project
     table = format_table(r)
     assert "predicted" in table and "measured" in table and "parity" in table and "FITS" in table
     assert len(fake_runs.calls["whitebox"]) == 3  # every rung after the baseline
+    # one training run: each rung resumes the checkpoint the rung before saved, at its step
+    assert fake_runs.calls["resume"] == [None] + [g.checkpoint for g in r.rungs[:-1]]
+    assert [g.start_step for g in r.rungs] == [0, 4, 8, 12] and r.rungs[0].resumed_from is None
+    assert all(g.resumed_from == p.checkpoint for p, g in zip(r.rungs, r.rungs[1:]))
+    assert "4-7" in table and "12-15" in table
+
+
+def test_a_lost_checkpoint_stops_the_climb_with_a_clear_error(project, fake_runs, monkeypatch):
+    from curry_train.config import ConfigError
+
+    fake = bench_mod.bench  # the fixture's: its checkpoints are names, never written
+
+    def bench(*a, resume=None, **k):  # rung 0 fake, rung 1 the real bench, which checks the checkpoint first
+        return (REAL_BENCH if resume else fake)(*a, resume=resume, **k)
+
+    monkeypatch.setattr(bench_mod, "bench", bench)
+    _advisor(monkeypatch, LADDER)
+    with pytest.raises(ConfigError, match="rung 1 cannot resume from the checkpoint rung 0 saved") as e:
+        climb("tiny", 1000, root=project)
+    assert "does not exist" in str(e.value) and "never" in str(e.value)
+    assert len(fake_runs.calls["bench"]) == 1 and not list((project / "runs").glob("*/spec.json"))
+
+
+@pytest.mark.multirank
+def test_each_rung_resumes_the_previous_rungs_checkpoint_for_real(project, monkeypatch):
+    import torch
+    from curry_train.train.loop import setup, train_step
+
+    _advisor(monkeypatch, [("zero3", {"parallel.dp": 2, "parallel.zero": 3})])
+    r = climb("tiny", 1000, root=project, steps=2, max_rungs=1)  # over budget: baseline + one rung, then stop
+    base, z3 = r.rungs
+    assert base.checkpoint and base.checkpoint.endswith("step-000003") and base.start_step == 0
+    assert str(project / "runs" / base.bench_run) in base.checkpoint  # under the rung's own run folder
+    assert z3.resumed_from == base.checkpoint and z3.start_step == 3 and z3.checkpoint.endswith("step-000006")
+    assert z3.parity == "passed"
+    torch.set_num_threads(1)
+    cfg = load_config(project / "configs" / "tiny-climb.yaml", {"parallel.dp": 1, "parallel.zero": 0})
+    par = setup(cfg)
+    ref = [train_step(par, s).loss for s in range(6)]  # the same 6 steps, uninterrupted, on one device
+    print(json.dumps({"reference": ref, "climb": base.losses + z3.losses}))
+    assert base.losses + z3.losses == pytest.approx(ref, rel=1e-5)
+
 
 
 def test_the_climb_config_is_fitted_to_this_machine(project, fake_runs, monkeypatch):
@@ -136,3 +187,6 @@ def test_the_readme_climb_runs_for_real_and_fits_in_at_least_three_rungs(project
     out = json.loads(r.stdout)
     assert out["fits"] and len(out["rungs"]) >= 4  # baseline + at least three primitives
     assert all(g["parity"] in ("ref", "passed") for g in out["rungs"])
+    rungs = out["rungs"]  # one training run: rung k resumed rung k-1's checkpoint, at the step it reached
+    assert all(g["resumed_from"] == p["checkpoint"] and g["start_step"] == p["start_step"] + len(p["losses"])
+               for p, g in zip(rungs, rungs[1:]))

@@ -8,8 +8,16 @@ The seed's procedure, automated, one primitive per rung:
   -> apply its one-primitive patch with update_config -> bench -> white-box against one device -> record.
 It stops when the measurement fits, when parity fails (never stack a primitive on a broken one), when the advisor
 says only more GPUs help, or after --max-rungs. Every bench and white-box run is in the ledger; every version of
-the climb config is in configs/.history/. The table: rung, primitive, layout, predicted vs measured per-rank
-bytes, step time, parity verdict.
+the climb config is in configs/.history/. The table: rung, primitive, layout, the steps it trained, predicted vs
+measured per-rank bytes, step time, parity verdict.
+
+One training run across the rungs: every rung's bench saves its state after its timed steps (model + AdamW,
+runs/<bench run>/checkpoints/step-NNNNNN, train/checkpoint.py) and the next rung resumes from it, resharded into
+its new layout, so the loss curve continues (rung 1 trains steps 4-7 after the baseline's 0-3) and a rung's
+record names the checkpoint it resumed from and its step. A rung that saved nothing (a CUDA OOM) passes on the
+checkpoint it resumed from. A missing or damaged checkpoint stops the climb with an error, never a silent fresh
+start. The white-box check of each rung stays a fresh 2-step run from the seeded weights: it proves the layout,
+not the run.
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
+from curry_train.config import ConfigError, Problem
 from curry_train.measure.bench import DeviceLock
 from curry_train.measure.preflight import cpu_rank_cap
 from curry_train.paths import configs_dir, resolve_config_arg
@@ -47,6 +56,11 @@ class Rung(BaseModel):
     bench_run: str
     whitebox_run: str | None = None
     loss: float | None = None
+    losses: list[float] = Field(default_factory=list, description="bench's losses, warm-up included.")
+    start_step: int = Field(0, description="The first step this rung trained (the resumed checkpoint's step).")
+    resumed_from: str | None = Field(None, description="The checkpoint (step folder) this rung resumed from; "
+                                     "None for the baseline.")
+    checkpoint: str | None = Field(None, description="The checkpoint this rung saved; the next rung resumes it.")
 
 
 class ClimbReport(BaseModel):
@@ -75,13 +89,15 @@ def _mib(b: int | None) -> str:
 
 
 def format_table(r: ClimbReport) -> str:
-    head = f"{'rung':>4}  {'primitive':<10} {'layout':<28} {'predicted':>11} {'measured':>11} {'step':>9}  " \
-           f"{'parity':<8} fits"
+    head = f"{'rung':>4}  {'primitive':<10} {'layout':<28} {'steps':>7} {'predicted':>11} {'measured':>11} " \
+           f"{'step':>9}  {'parity':<8} fits"
     lines = [(f"climb {r.base} -> configs/{r.config}.yaml on {r.device}, budget {_mib(r.memory_budget_bytes)} "
               f"({r.memory_budget_bytes} B) per rank"), head, "-" * len(head)]
     for g in r.rungs:
         step = f"{g.step_time_s * 1e3:.1f} ms" if g.step_time_s else "OOM"
-        lines.append(f"{g.rung:>4}  {g.primitive:<10} {_layout(g.parallel):<28} {_mib(g.predicted_bytes):>11} "
+        trained = f"{g.start_step}-{g.start_step + len(g.losses) - 1}" if g.losses else "-"
+        lines.append(f"{g.rung:>4}  {g.primitive:<10} {_layout(g.parallel):<28} {trained:>7} "
+                     f"{_mib(g.predicted_bytes):>11} "
                      f"{'OOM' if g.oom and not g.measured_bytes else _mib(g.measured_bytes):>11} {step:>9}  "
                      f"{g.parity:<8} {'yes' if g.fits else 'no'}")
     lines.append(f"{'FITS' if r.fits else 'DOES NOT FIT'}: {r.stopped} ({r.wall_s:.0f} s)")
@@ -148,9 +164,20 @@ def climb(config: str, memory_budget: int, *, overrides: dict[str, Any] | None =
         finally:
             lock.release()
 
-    def measure(rung: int, primitive: str, reason: str, patch: dict[str, Any]) -> Rung:
-        say(f"rung {rung}: bench {name} ({primitive})")
-        b = locked(lambda: bench(name, steps=steps, warmup=1, root=root, timeout=timeout, progress=say))
+    def measure(rung: int, primitive: str, reason: str, patch: dict[str, Any], resume: Rung | None) -> Rung:
+        ck = resume.checkpoint if resume else None
+        say(f"rung {rung}: bench {name} ({primitive})" + (f", resuming {ck}" if ck else ""))
+        try:
+            b = locked(lambda: bench(name, steps=steps, warmup=1, root=root, timeout=timeout, progress=say,
+                                     resume=ck, save_checkpoint=True))
+        except ConfigError as e:
+            if not ck:
+                raise
+            raise ConfigError([Problem(
+                fields=["climb"], message=f"rung {rung} cannot resume from the checkpoint rung {resume.rung} saved "
+                f"({ck}): " + "; ".join(p.message for p in e.problems),
+                fix="restore that folder, or rerun the climb (it starts again from the baseline); a rung never "
+                "starts over silently")]) from e
         parity, wb_run = "n/a", None
         if b.oom and not b.peak_memory_bytes:
             parity = "skipped"  # a CUDA OOM: nothing to compare
@@ -164,12 +191,13 @@ def climb(config: str, memory_budget: int, *, overrides: dict[str, Any] | None =
         g = Rung(rung=rung, primitive=primitive, reason=reason, patch=patch, parallel=b.parallel,
                  world_size=b.world_size, predicted_bytes=b.estimate.total if b.estimate else None,
                  measured_bytes=b.peak_memory_bytes, step_time_s=b.step_time_s, oom=b.oom, fits=fits,
-                 parity=parity, bench_run=b.run_id, whitebox_run=wb_run, loss=b.losses[-1] if b.losses else None)
+                 parity=parity, bench_run=b.run_id, whitebox_run=wb_run, loss=b.losses[-1] if b.losses else None,
+                 losses=b.losses, start_step=b.start_step, resumed_from=b.resumed_from, checkpoint=b.checkpoint)
         say(f"rung {rung}: {primitive}: measured {_mib(g.measured_bytes)} (predicted {_mib(g.predicted_bytes)}), "
             f"parity {parity}, {'fits' if fits else 'over budget'}")
         return g
 
-    rungs.append(measure(0, "baseline", f"{base} fitted to this machine", changes))
+    rungs.append(measure(0, "baseline", f"{base} fitted to this machine", changes, None))
     stopped = ""
     while True:
         last = rungs[-1]
@@ -195,7 +223,9 @@ def climb(config: str, memory_budget: int, *, overrides: dict[str, Any] | None =
         if not upd.written:
             stopped = f"the advisor repeated a patch already applied ({patch}): {reason}"
             break
-        rungs.append(measure(last.rung + 1, primitive, reason, patch))
+        # resume the latest rung that saved a checkpoint (one that OOMed saved none)
+        src = next((g for g in reversed(rungs) if g.checkpoint), None)
+        rungs.append(measure(last.rung + 1, primitive, reason, patch, src))
     final = rungs[-1]
     return ClimbReport(config=name, base=base, memory_budget_bytes=memory_budget, device=device, rungs=rungs,
                        fits=final.fits and final.parity != "FAILED", stopped=stopped, final_parallel=final.parallel,

@@ -10,6 +10,9 @@
   - mfu: model FLOPs per token (the estimator's count) x tokens/s / (ranks x device peak); None on CPU;
   - estimate: the estimator's per-rank prediction for the same config, and its error against the measurement.
 Benches (and white-box runs) serialise on a per-machine device lock (`DeviceLock`), shared by every process.
+`resume=` continues a checkpoint (any layout, train/checkpoint.py) at its step, and `save_checkpoint=True` saves
+the state after the timed steps into <run folder>/checkpoints/: how `climb` carries the training run from rung to
+rung instead of restarting it (the memory measurement after the timed steps stays a fresh model of its own).
 """
 
 from __future__ import annotations
@@ -69,6 +72,9 @@ class BenchResult(BaseModel):
                                                           "(curry_train/breakdown.py, the estimate's categories).")
     memory_budget_bytes: int = Field(description="hardware.gpu_memory_gib in bytes: the per-rank budget.")
     losses: list[float] = Field(default_factory=list, description="Loss of every step, warm-up included.")
+    start_step: int = Field(0, description="The first step's index: the checkpoint's step with resume, else 0.")
+    resumed_from: str | None = Field(None, description="The checkpoint (step folder) the run continued, if any.")
+    checkpoint: str | None = Field(None, description="The step folder saved after the timed steps, if asked.")
     loss_finite: bool
     oom: bool = Field(description="A real CUDA OOM in a rank, or (CPU) the measured peak above the budget.")
     oom_detail: str | None = None
@@ -162,9 +168,14 @@ def bench_job(spec: dict[str, Any]) -> dict[str, Any]:
         out["init_peak_bytes"] = max(init["init_peak_bytes"], init.get("cuda_init_peak_bytes", 0))
         if cuda:
             torch.cuda.reset_peak_memory_stats(device)
+        start = 0
+        if spec.get("resume"):
+            from curry_train.train.checkpoint import load
+
+            start = out["start_step"] = load(par, spec["resume"])
         history = []
         for s in range(warmup + steps):
-            history.append(train_step(par, s))
+            history.append(train_step(par, start + s))
             if progress is not None:  # read by the launcher side for progress reports
                 phase = f"warm-up {s + 1}/{warmup}" if s < warmup else f"step {s + 1 - warmup}/{steps}"
                 with open(progress, "a", encoding="utf-8") as f:
@@ -173,6 +184,10 @@ def bench_job(spec: dict[str, Any]) -> dict[str, Any]:
         out["step_time_s"] = [h.step_time_s for h in history[warmup:]]
         if cuda:
             out["cuda_peak_timed"] = int(torch.cuda.max_memory_allocated(device))
+        if spec.get("checkpoint_dir"):
+            from curry_train.train.checkpoint import save
+
+            out["checkpoint"] = str(save(par, spec["checkpoint_dir"], start + warmup + steps))
         del par, history
         gc.collect()
         if cuda:
@@ -266,7 +281,8 @@ def summarise(cfg: Config, values: list[dict[str, Any]], *, run_id: str, config_
         memory_budget_bytes=budget, losses=losses, loss_finite=bool(losses) and all(math.isfinite(x) for x in losses),
         oom=over, oom_detail=(f"measured peak {peaks[worst]} B on rank {worst} > budget {budget} B "
                               f"(hardware.gpu_memory_gib={cfg.hardware.gpu_memory_gib})") if over else None,
-        mfu=mfu, estimate=est, wall_s=wall_s,
+        mfu=mfu, estimate=est, wall_s=wall_s, start_step=int(values[0].get("start_step", 0)),
+        checkpoint=values[0].get("checkpoint"),
     )
 
 
@@ -311,8 +327,11 @@ def _wait(job: Any, timeout: float, cancel: threading.Event | None, say: Callabl
 
 def bench(config: str, steps: int = 5, warmup: int = 1, overrides: dict[str, Any] | None = None, *,
           root: str | Path | None = None, timeout: float = 900.0, cancel: threading.Event | None = None,
-          progress: Callable[[str], None] | None = None) -> BenchResult:
-    """Benchmark `config` (a name in configs/) with dotted `overrides`; the run is recorded in the ledger."""
+          progress: Callable[[str], None] | None = None, resume: str | None = None,
+          save_checkpoint: bool = False) -> BenchResult:
+    """Benchmark `config` (a name in configs/) with dotted `overrides`; the run is recorded in the ledger.
+    `resume`: continue this checkpoint (a missing, corrupt or other-shape one is a ConfigError before anything
+    launches); `save_checkpoint`: save after the timed steps into the run folder (`checkpoint` in the result)."""
     from curry_train.measure.preflight import preflight
     from curry_train.measure.service import resolve
     from curry_train.store.runs import Ledger
@@ -324,12 +343,17 @@ def bench(config: str, steps: int = 5, warmup: int = 1, overrides: dict[str, Any
     overrides = dict(overrides or {})
     cfg, name = resolve(config, overrides, root)
     preflight(cfg, name)  # before the run is recorded: a config this machine cannot run launches nothing
+    if resume:
+        from curry_train.train.checkpoint import find_checkpoint
+
+        resume = str(find_checkpoint(Path(resume).expanduser(), cfg)[0].resolve())
     ledger = Ledger(root)
     rec = ledger.start("bench", cfg, name)
     run_path = ledger.path.parent / rec.run_id
     t0 = time.perf_counter()
     say(f"launching {cfg.world_size} rank(s) for {warmup}+{steps} steps (run {rec.run_id})")
-    spec = {"kind": "bench", "config": cfg.to_dict(), "steps": steps, "warmup": warmup}
+    spec = {"kind": "bench", "config": cfg.to_dict(), "steps": steps, "warmup": warmup, "resume": resume,
+            "checkpoint_dir": str((run_path / "checkpoints").resolve()) if save_checkpoint else None}
     job = start_torchrun(spec, cfg.world_size, run_path)
     try:
         values = _wait(job, timeout, cancel, say)
@@ -345,7 +369,7 @@ def bench(config: str, steps: int = 5, warmup: int = 1, overrides: dict[str, Any
             peak_memory_bytes=0, memory_breakdown=MemoryBreakdown(),
             memory_budget_bytes=int(cfg.hardware.gpu_memory_gib * 2**30), loss_finite=False, oom=True,
             oom_detail=f"CUDA out of memory on rank {detail['rank']}: {detail['error'][:500]}",
-            estimate=_estimate(cfg), wall_s=time.perf_counter() - t0)
+            estimate=_estimate(cfg), wall_s=time.perf_counter() - t0, resumed_from=resume)
         ledger.finish(rec.run_id, status="failed", metrics=result.model_dump(mode="json"), error=result.oom_detail)
         return result
     finally:
@@ -354,6 +378,7 @@ def bench(config: str, steps: int = 5, warmup: int = 1, overrides: dict[str, Any
     say("ranks finished; summarising")
     result = summarise(cfg, values, run_id=rec.run_id, config_name=name, overrides=overrides, steps=steps,
                        warmup=warmup, wall_s=time.perf_counter() - t0)
+    result.resumed_from = resume
     from curry_train.estimator import reserve_bytes
 
     usable = result.memory_budget_bytes - reserve_bytes(cfg)

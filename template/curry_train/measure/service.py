@@ -46,9 +46,6 @@ def _checkpoint_args(cfg: Config, checkpoint_dir: str | None, save_every: int, r
         raise bad("--save-every", f"{save_every} is negative", "use N >= 1 (save after every N steps)")
     if save_every and not checkpoint_dir:
         raise bad("--save-every", "--save-every needs --checkpoint-dir", "add --checkpoint-dir DIR")
-    if (checkpoint_dir or resume) and cfg.model.num_experts and cfg.parallel.ep > 1:
-        raise bad("parallel.ep", "checkpoints do not support expert parallel (expert shards share names across "
-                  "ranks)", "use parallel.ep=1 with --checkpoint-dir / --resume")
     out: dict[str, Any] = {}
     if checkpoint_dir:
         out["checkpoint_dir"], out["save_every"] = str(Path(checkpoint_dir).expanduser().resolve()), save_every

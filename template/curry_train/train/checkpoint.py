@@ -12,8 +12,16 @@ names (`layers.3.attention.wq.weight`, the white-box contract), whatever wrapper
   optim.<name>.exp_avg|exp_avg_sq|step   AdamW state of the parameter (ZeRO-1: the owner rank writes it)
 So a resume can change every parallel setting: each rank asks DCP for exactly the slices its new layout holds
 (DCP's load planner reads the overlapping saved chunks; Wang et al. 2024, "TorchTitan", §3.3 distributed
-checkpointing). Expert shards under ep > 1 are plain per-rank tensors under one name, which DCP cannot tell
-apart: checkpoints refuse ep > 1 with an error rather than save a wrong model.
+checkpointing).
+
+Experts under ep > 1: a rank holds El = E/ep experts [ep_i*El, (ep_i+1)*El) of each stacked weight (a plain
+[El, D, F] tensor under DDP, or FSDP2's DTensor of it over the edp_cp mesh, sharded on the expert or a hidden
+dim; parallel/expert_parallel.py), under the same name on every EP rank. Saved as such, the EP ranks' keys would
+collide. So the state dict presents each expert weight as what it is logically: the full [E, D, F] tensor, a
+DTensor over a checkpoint-only mesh (pp*tp, ep, edp_cp) placed (Replicate, Shard(0), FSDP's placement or
+Replicate). DCP then stores every expert at its global offset, under the same key an ep=1 run uses, and any
+layout reads back the rows it holds (DTensor nests two Shard(0)s left to right, as FSDP nests inside the EP
+slice). The mesh is built without process groups (`_init_backend=False`): DCP needs only this rank's coordinate.
 
 Atomic save: every rank writes into DIR/.step-NNNNNN.tmp, rank 0 adds curry_meta.json (with every file's size)
 and renames the folder to step-NNNNNN only after all ranks finished; an existing step folder is never replaced.
@@ -105,11 +113,9 @@ def _adam_owner(par) -> tuple[torch.optim.Optimizer, list[torch.Tensor]]:
 def state_dict(par, *, for_load: bool = False) -> dict[str, torch.Tensor]:
     """Flat {key: tensor} this rank saves or loads into (see the module docstring); for_load creates the AdamW
     state the optimizer has not allocated yet (before its first step)."""
-    if par.cfg.model.num_experts and par.cfg.parallel.ep > 1:
-        raise _bad("parallel.ep", "checkpoints do not support expert parallel (expert shards share names across "
-                   "ranks)", "checkpoint with parallel.ep=1")
     names = _param_names(par)
-    out = {f"model.{name}": p.detach() for name, p in names.values()}  # shares storage: loads in place
+    glob = _expert_globaliser(par)
+    out = {f"model.{name}": glob(p, p.detach()) for name, p in names.values()}  # shares storage: loads in place
     owner, owned = _adam_owner(par)
     for p in owned:
         name = names[id(p)][0]
@@ -119,8 +125,35 @@ def state_dict(par, *, for_load: bool = False) -> dict[str, torch.Tensor]:
                                    "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
                                    "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}
         for k, v in (st or {}).items():
-            out[f"optim.{name}.{k}"] = v
+            out[f"optim.{name}.{k}"] = glob(p, v) if k != "step" else v
     return out
+
+
+def _expert_globaliser(par):
+    """f(param, tensor) -> tensor, or for an expert shard under ep > 1 the full-expert DTensor view of it (module
+    docstring); the view shares the shard's storage, so DCP loads in place."""
+    t, cfg = par.topo, par.cfg
+    if not cfg.model.num_experts or t.ep == 1:
+        return lambda p, v: v
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    # rank = ((pp_i * dp + edp_i * ep + ep_i) * cp + cp_i) * tp + tp_i (mesh.py, ep fastest inside dp); edp_cp is
+    # edp-major, cp-minor like mesh.ep_meshes' flatten, so FSDP's shard index on it is this mesh's last coordinate.
+    ranks = torch.arange(t.world_size).view(t.pp, t.dp // t.ep, t.ep, t.cp, t.tp).permute(0, 4, 2, 1, 3)
+    mesh = DeviceMesh(par.device.type, ranks.reshape(t.pp * t.tp, t.ep, -1), _init_backend=False,
+                      mesh_dim_names=("pp_tp", "ep", "edp_cp"))
+
+    def glob(p: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if not getattr(p, "_curry_expert", False):
+            return v
+        inner = v.placements[0] if isinstance(v, DTensor) else Replicate()  # FSDP2's 1-D edp_cp placement
+        shape = (cfg.model.num_experts, *v.shape[1:])  # v.shape: [El, ...] (global over edp_cp for a DTensor)
+        local = v.to_local() if isinstance(v, DTensor) else v
+        return DTensor.from_local(local, mesh, (Replicate(), Shard(0), inner), run_check=False, shape=shape,
+                                  stride=torch.empty(shape, device="meta").stride())
+
+    return glob
 
 
 def _rank() -> int:
