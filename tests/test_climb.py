@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -22,6 +23,7 @@ from curry_train.measure import bench as bench_mod
 from curry_train.measure import service
 from curry_train.measure.bench import BenchResult, EstimateSide, MemoryBreakdown
 from curry_train.measure.preflight import cpu_rank_cap
+from curry_train.model.gpt import build_model
 from curry_train.store.configs import history
 
 REAL_BENCH = bench_mod.bench
@@ -38,7 +40,10 @@ def fake_runs(monkeypatch):
         cfg, _ = service.resolve(name, overrides, root)
         calls["resume"].append(resume)
         start = int(resume.rsplit("-", 1)[1]) if resume else 0
-        ck = f"/runs/bench-{len(calls['bench']) + 1}/checkpoints/step-{start + warmup + steps:06d}"
+        ck = Path(root) / "runs" / f"bench-{len(calls['bench']) + 1}" / "checkpoints" / f"step-{start + warmup + steps:06d}"
+        if save_checkpoint:
+            ck.mkdir(parents=True)  # an empty stand-in: the climb only passes it on, and deletes it when done
+        ck = str(ck)
         est = estimate_memory(cfg).memory
         peak = int(est.total * 1.01)
         calls["bench"].append(cfg.parallel.model_dump())
@@ -98,15 +103,31 @@ def test_climbs_one_white_boxed_primitive_per_rung_until_the_budget_fits(project
     assert [g.start_step for g in r.rungs] == [0, 4, 8, 12] and r.rungs[0].resumed_from is None
     assert all(g.resumed_from == p.checkpoint for p, g in zip(r.rungs, r.rungs[1:]))
     assert "4-7" in table and "12-15" in table
+    # disk: each rung's checkpoint is deleted once the next rung has resumed it and saved its own
+    assert [g.checkpoint_deleted for g in r.rungs] == [True, True, True, False]
+    assert [Path(g.checkpoint).exists() for g in r.rungs] == [False, False, False, True]
+
+
+def test_keep_checkpoints_keeps_every_rungs_checkpoint(project, fake_runs, monkeypatch):
+    _advisor(monkeypatch, LADDER[:1])
+    r = climb("tiny", 1000, root=project, max_rungs=1, keep_checkpoints=True)
+    assert len(r.rungs) == 2 and not any(g.checkpoint_deleted for g in r.rungs)
+    assert all(Path(g.checkpoint).exists() for g in r.rungs)
 
 
 def test_a_lost_checkpoint_stops_the_climb_with_a_clear_error(project, fake_runs, monkeypatch):
+    import shutil
+
     from curry_train.config import ConfigError
 
-    fake = bench_mod.bench  # the fixture's: its checkpoints are names, never written
+    fake = bench_mod.bench  # the fixture's: its checkpoints are empty folders
 
-    def bench(*a, resume=None, **k):  # rung 0 fake, rung 1 the real bench, which checks the checkpoint first
-        return (REAL_BENCH if resume else fake)(*a, resume=resume, **k)
+    def bench(*a, resume=None, **k):  # rung 0 fake, its checkpoint then lost; rung 1 the real bench, which checks it
+        if resume:
+            return REAL_BENCH(*a, resume=resume, **k)
+        r = fake(*a, resume=resume, **k)
+        shutil.rmtree(r.checkpoint)
+        return r
 
     monkeypatch.setattr(bench_mod, "bench", bench)
     _advisor(monkeypatch, LADDER)
@@ -128,6 +149,13 @@ def test_each_rung_resumes_the_previous_rungs_checkpoint_for_real(project, monke
     assert str(project / "runs" / base.bench_run) in base.checkpoint  # under the rung's own run folder
     assert z3.resumed_from == base.checkpoint and z3.start_step == 3 and z3.checkpoint.endswith("step-000006")
     assert z3.parity == "passed"
+    assert base.checkpoint_deleted and not Path(base.checkpoint).exists() and Path(z3.checkpoint).is_dir()
+    # the 12 B/param the README and climb.py quote: fp32 weights + AdamW's two moments, plus DCP's framing
+    # (~2 KB per saved tensor piece: 3 per parameter per rank here) and its .metadata
+    params = list(build_model(load_config(project / "configs" / "tiny.yaml")).parameters())
+    n = sum(p.numel() for p in params)
+    size = sum(f.stat().st_size for f in Path(z3.checkpoint).rglob("*") if f.is_file())
+    assert 12 * n <= size <= 12 * n + 2500 * 3 * len(params) * 2 + 100_000, (size, 12 * n)
     torch.set_num_threads(1)
     cfg = load_config(project / "configs" / "tiny-climb.yaml", {"parallel.dp": 1, "parallel.zero": 0})
     par = setup(cfg)
@@ -190,3 +218,4 @@ def test_the_readme_climb_runs_for_real_and_fits_in_at_least_three_rungs(project
     rungs = out["rungs"]  # one training run: rung k resumed rung k-1's checkpoint, at the step it reached
     assert all(g["resumed_from"] == p["checkpoint"] and g["start_step"] == p["start_step"] + len(p["losses"])
                for p, g in zip(rungs, rungs[1:]))
+    assert [g["checkpoint_deleted"] for g in rungs] == [True] * (len(rungs) - 1) + [False]

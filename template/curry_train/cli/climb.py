@@ -17,7 +17,9 @@ its new layout, so the loss curve continues (rung 1 trains steps 4-7 after the b
 record names the checkpoint it resumed from and its step. A rung that saved nothing (a CUDA OOM) passes on the
 checkpoint it resumed from. A missing or damaged checkpoint stops the climb with an error, never a silent fresh
 start. The white-box check of each rung stays a fresh 2-step run from the seeded weights: it proves the layout,
-not the run.
+not the run. Disk: a checkpoint is the fp32 weights plus AdamW's two moments, 12 B/param (about 96 GB at 8B), so
+once a rung has resumed and saved its own, the checkpoint it resumed from is deleted (`checkpoint_deleted` in its
+record); --keep-checkpoints keeps every rung's.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from pydantic import BaseModel, Field
 from curry_train.config import ConfigError, Problem
 from curry_train.measure.bench import DeviceLock
 from curry_train.measure.preflight import cpu_rank_cap
-from curry_train.paths import configs_dir, resolve_config_arg
+from curry_train.paths import configs_dir, resolve_config_arg, runs_dir
 
 WHITEBOX_STEPS = 2  # two updates: a wrong optimizer step (ZeRO state, weight decay, lr) shows in the second
 # The README's CPU budget for tiny: between the measured peaks of rung 2 (ZeRO-3 on 4 ranks + full recompute,
@@ -61,6 +63,8 @@ class Rung(BaseModel):
     resumed_from: str | None = Field(None, description="The checkpoint (step folder) this rung resumed from; "
                                      "None for the baseline.")
     checkpoint: str | None = Field(None, description="The checkpoint this rung saved; the next rung resumes it.")
+    checkpoint_deleted: bool = Field(False, description="True when a later rung resumed `checkpoint` and saved its "
+                                     "own, so this one was deleted (climb keep_checkpoints=False).")
 
 
 class ClimbReport(BaseModel):
@@ -124,9 +128,21 @@ def _machine_changes(cfg: Any, budget: int, probe: Any) -> dict[str, Any]:
     return out
 
 
+def _delete_checkpoint(g: Rung, root: str | Path | None) -> None:
+    """Delete rung `g`'s checkpoint folder, which must lie in runs/ (never anything a user pointed at)."""
+    import shutil
+
+    path = Path(str(g.checkpoint)).resolve()
+    runs = runs_dir(root).resolve()
+    if runs not in path.parents:
+        raise ValueError(f"refusing to delete {path}: a climb checkpoint lies under {runs}")
+    shutil.rmtree(path)
+    g.checkpoint_deleted = True
+
+
 def climb(config: str, memory_budget: int, *, overrides: dict[str, Any] | None = None, name: str | None = None,
           steps: int = 3, max_rungs: int = 8, root: str | Path | None = None, timeout: float = 900.0,
-          log: Callable[[str], None] | None = None) -> ClimbReport:
+          log: Callable[[str], None] | None = None, keep_checkpoints: bool = False) -> ClimbReport:
     """Walk the ladder from `config` (a name in configs/ or a YAML file there) until `memory_budget` bytes fit."""
     from curry_train.measure import service
     from curry_train.measure.bench import bench
@@ -224,8 +240,11 @@ def climb(config: str, memory_budget: int, *, overrides: dict[str, Any] | None =
             stopped = f"the advisor repeated a patch already applied ({patch}): {reason}"
             break
         # resume the latest rung that saved a checkpoint (one that OOMed saved none)
-        src = next((g for g in reversed(rungs) if g.checkpoint), None)
+        src = next((g for g in reversed(rungs) if g.checkpoint and not g.checkpoint_deleted), None)
         rungs.append(measure(last.rung + 1, primitive, reason, patch, src))
+        if src is not None and rungs[-1].checkpoint and not keep_checkpoints:
+            _delete_checkpoint(src, root)
+            say(f"rung {rungs[-1].rung} saved its own checkpoint: deleted rung {src.rung}'s ({src.checkpoint})")
     final = rungs[-1]
     return ClimbReport(config=name, base=base, memory_budget_bytes=memory_budget, device=device, rungs=rungs,
                        fits=final.fits and final.parity != "FAILED", stopped=stopped, final_parallel=final.parallel,

@@ -112,7 +112,8 @@ def _cmd_climb(a: argparse.Namespace) -> int:
     from curry_train.config import parse_sets
 
     report = climb(a.config, a.memory_budget, overrides=parse_sets(a.set), name=a.name, steps=a.steps,
-                   max_rungs=a.max_rungs, root=a.root, timeout=a.timeout, log=_err)
+                   max_rungs=a.max_rungs, root=a.root, timeout=a.timeout, log=_err,
+                   keep_checkpoints=a.keep_checkpoints)
     emit(report, a.json, format_table)
     return EXIT_OK if report.fits else EXIT_FAIL
 
@@ -173,6 +174,9 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--steps", type=positive_int, default=3, help="timed bench steps per rung")
     p.add_argument("--max-rungs", type=nonneg_int, default=8, help="stop after this many primitives")
     p.add_argument("--timeout", type=seconds, default=900.0, help="seconds per bench / white-box run")
+    p.add_argument("--keep-checkpoints", action="store_true",
+                   help="keep every rung's checkpoint (fp32 weights + AdamW moments, 12 B/param each); default: only the "
+                        "latest rung's, the one it resumed from is deleted once it has saved its own")
     p.set_defaults(fn=_cmd_climb)
 
     p = sub.add_parser("install-skills", help="copy the skills into a Claude skills folder")
