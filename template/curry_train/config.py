@@ -57,6 +57,9 @@ class TrainConfig(_Section):
         "constant", description="constant, or cosine decay to lr/10 at train.steps (after the warm-up).")
     warmup_steps: int = Field(0, ge=0, description="Linear warm-up from lr/(warmup_steps+1) to lr over these steps.")
     grad_clip: float = Field(0.0, ge=0.0, description="Clip the global gradient L2 norm to this value; 0 = off.")
+    loss_chunks: int = Field(
+        0, ge=0, description="Token chunks of the LM head + cross entropy (only one chunk's fp32 logits live at a "
+                             "time); 0 = auto, ceil(vocab_size / d_model); 1 = unchunked.")
 
 
 class DataConfig(_Section):
@@ -113,6 +116,18 @@ class Config(_Section):
 
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json")
+
+
+def loss_chunk_count(setting: int, tokens: int, vocab_size: int, d_model: int) -> int:
+    """Chunks the LM head + cross entropy split a micro-batch's `tokens` (on one rank) into.
+
+    0 = auto: ceil(V / D) chunks, so one chunk's logits [tokens / chunks, V] are about the size of the hidden
+    states [tokens, D], as Liger Kernel's fused linear cross entropy sizes them (Hsu et al. 2024, "Liger Kernel",
+    arXiv:2410.10989; liger_kernel/ops/fused_linear_cross_entropy.py: inc_factor = cdiv(V, H)). Never more
+    chunks than tokens; the model (model/gpt.py) and the estimator (estimator/acts.py) share this rule.
+    """
+    k = setting if setting > 0 else -(-vocab_size // d_model)
+    return max(1, min(k, tokens))
 
 
 class ConfigError(ValueError):

@@ -15,7 +15,9 @@ Dtype policy (train.dtype = float32 | bfloat16):
     saves a *bf16 copy* of its input (wq, wk and wv each cast the same input: three copies) and of its weight.
   compute bf16 under FSDP (zero >= 2 with dp*cp > 1): MixedPrecisionPolicy(bf16 params, fp32 reduce). The
     stream is bf16, RMSNorm saves its fp32 upcast and a bf16 normalised copy, weights are gathered in bf16.
-  logits: compute dtype; the loss upcasts them and log_softmax saves an fp32 [tokens, V] tensor.
+  logits: compute dtype; the model computes the loss in its forward, in train.loss_chunks token chunks (0 =
+    auto, ceil(V/D): model/gpt.py chunked_lm_loss), each an activation checkpoint: only one chunk's fp32
+    log_softmax and its two fp32 gradients exist at a time; the logits themselves are never kept.
 
 Per op, what autograd saves (measured on torch 2.13 CPU with saved-tensor hooks, exact to the byte):
   RMSNorm: input, rsqrt [tokens, 1] fp32, normalised x; wq/wk/wv: their input; RoPE: only cos/sin;
@@ -30,9 +32,11 @@ are views into them, so they are the gradients, alive from the wrap on), ZeroRed
 gathered units (zero 2: all of them from forward to backward; zero 3: root + current + prefetched block), the
 unsharded fp32 gradients FSDP2 accumulates under a pipeline (its schedule turns sync off for all micro-batches
 but the last; without PP the template reduce-scatters every micro-step), the reduce-scatter input kept in
-flight, the pipeline's receive buffers (one per micro-batch), the logits of each micro-batch in flight (the
-schedule's fwd_cache; step(return_outputs=False) keeps no others), the loss's transients (two fp32 [tokens, V]
-gradients), AdamW's step temporaries.
+flight, the pipeline's receive buffers (one per micro-batch), the loss's transients (two fp32 [chunk tokens, V]
+gradients; with chunks, the head-weight gradient summed out of place, three [V, D] at that add, and the chunks'
+input gradients), AdamW's step temporaries. Not modelled yet: FSDP's reduce-scatter of the root unit at the end
+of the backward (fp32 input of the [V, D] head and embedding), which a vocab-heavy ZeRO-3 bf16 run peaks in once
+the loss is chunked (benchmarks/estimator_accuracy.py "vocab-zero3-dp2-bf16").
 
 The peak is the largest of a few moments of the step (the loss and LM-head backward, a block's backward at the
 SwiGLU gradient or in RMSNorm's backward, the step's last block backward, the optimizer step; with a pipeline, at

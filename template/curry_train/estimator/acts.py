@@ -9,6 +9,7 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache
 
+from curry_train.config import loss_chunk_count
 from curry_train.estimator.layout import _block_tensors, _Layout
 
 
@@ -25,11 +26,14 @@ class _Acts:
     pcopy_head: int  # autocast: bf16 copy of the LM head weight
     embed: int  # token ids (+ TP's masked ids and mask)
     head: int  # final norm's saved tensors and the head's input
-    lsm: int  # fp32 log_softmax output saved by the loss
+    lsm: int  # fp32 log_softmax output saved by the loss (of one chunk when the loss is chunked)
     targets: int  # target ids the loss keeps
-    logits: int  # [tokens, V/tp] in the compute dtype, alive until the micro-batch's backward ends
-    grad_logits: int  # the logits' gradient (compute dtype)
+    logits: int  # [tokens, V/tp] in the compute dtype, alive until the micro-batch's backward ends (one chunk's)
+    grad_logits: int  # the logits' gradient (compute dtype; one chunk's)
     dy_head: int  # gradient of the head's input [n, D]
+    grad_logits_all: int  # every chunk's logits gradient (zero bubble keeps them for the weight pass)
+    chunks: int  # token chunks of the head + loss (config.loss_chunk_count); 1 = the full logits at once
+    chunk_targets: int  # target ids of one chunk (the loss_parallel masks are per chunk)
     rope: int  # cos/sin rows indexed per forward call, shared by a chunk's layers
     stream: int  # one hidden state [n_local, D] in the residual dtype
     d_stream: int  # its gradient
@@ -107,9 +111,14 @@ def _acts(x: _Layout) -> _Acts:
         head = 4 * nn_ * (2 * D + 1) + 2 * n * D
     else:
         head = nn_ * (4 * D + 2 * D + 4) + 2 * n * D
+    # model/gpt.py chunked_lm_loss: k checkpointed chunks of at most nc tokens; only one chunk's logits,
+    # log-softmax and their gradients exist at a time (forward keeps a scalar per chunk)
+    k = loss_chunk_count(x.lc, n, x.V, x.D)
+    nc = -(-n // k)
     return _Acts(layer_saved=saved, layer_full=full, ffn_saved=ffn, prod=prod, ffn_bwd=ffn_bwd, pcopy_layer=pcopy,
-                 pcopy_head=2 * Vl * D if path == "autocast" else 0, embed=embed, head=head, lsm=4 * n * Vl,
-                 targets=n * 8, logits=c * n * Vl, grad_logits=c * n * Vl, dy_head=c * n * D,
+                 pcopy_head=2 * Vl * D if path == "autocast" else 0, embed=embed, head=head, lsm=4 * nc * Vl,
+                 targets=n * 8, logits=c * nc * Vl, grad_logits=c * nc * Vl, dy_head=c * n * D,
+                 grad_logits_all=c * n * Vl, chunks=k, chunk_targets=nc * 8,
                  rope=2 * T * (Dh // 2) * 4, stream=stream, d_stream=stream,
                  lin_out_grads=n * (Dq + 2 * Dkv + 2 * D + (2 * Fl if not x.E else 0)) * c,
                  ring_bwd=_ring_backward(x, n, Dq, Dkv, Hl, c) if cp_ring else 0, post_attn=wo_in + norms // 2)

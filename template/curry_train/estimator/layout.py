@@ -49,6 +49,7 @@ class _Layout:
     has_aux: bool
     pp_layers: tuple[int, ...] | None = None  # parallel.pp_layers (explicit stage split), else split by cost
     dpr: int = 1  # HSDP replicas (parallel.dp_replicate): FSDP shards over dpcp / dpr ranks
+    lc: int = 0  # train.loss_chunks (0 = auto): the LM head + loss in token chunks (config.loss_chunk_count)
 
     @property
     def shard(self) -> int:
@@ -101,7 +102,7 @@ def _layout(cfg: Config) -> _Layout:
                    schedule=p.pp_schedule, v=p.pp_virtual, ep=p.ep, cp=p.cp, dtype=t.dtype, device=device,
                    gpn=h.gpus_per_node, nodes=h.nodes, budget_gib=h.gpu_memory_gib,
                    has_z=m.z_loss_coef > 0, has_aux=m.aux_loss_coef > 0,
-                   pp_layers=tuple(p.pp_layers) if p.pp_layers else None, dpr=p.dp_replicate)
+                   pp_layers=tuple(p.pp_layers) if p.pp_layers else None, dpr=p.dp_replicate, lc=t.loss_chunks)
 
 
 def stage_split(x: _Layout) -> tuple[int, ...]:

@@ -20,6 +20,9 @@ PP_KEEPS_OUTPUTS = False
 # parallelize._grad_sync_fn: FSDP reduce-scatters on every micro-step (sharded grads accumulate), but a pipeline
 # schedule turns sync off for all but the last micro-batch, so FSDP under PP keeps unsharded fp32 accumulators
 FSDP_ACCUMULATES_UNSHARDED_UNDER_PP = True
+# model/gpt.py: the model computes the loss in its forward (chunked_lm_loss), so nothing outside holds the logits:
+# log_softmax saves its fp32 output, not its input, and each chunk's logits are recomputed in backward (one at a time)
+LOSS_IN_MODEL = True
 # parallel/ddp.py: gradient_as_bucket_view=True, so DDP's buckets (states.ddp_buckets, alive from the wrap on)
 # *are* the gradients of the parameters DDP manages; only parameters outside DDP (EP's expert shards) add grads
 DDP_GRADS_ARE_BUCKET_VIEWS = True
@@ -99,13 +102,14 @@ def _peak(x: _Layout, pp_rank: int) -> _Peak:
         # autocast caches its weight casts for the whole `with autocast()` region: one set per micro-batch
         # (train.forward_backward), or one for the whole pipeline step (all micro-batches inside one region)
         pcopies = (n_blk if x.pp > 1 else k_total * n_blk) * a.pcopy_layer + (a.pcopy_head if has_head else 0)
+        lsm_kept = a.lsm if a.chunks == 1 else 0  # a chunked loss keeps a scalar per chunk, not the log-softmax
         if has_head and x.pp > 1:
             k_head = held[head_chunk]
-            logits_alive = (ps.head_fwds if PP_KEEPS_OUTPUTS else k_head) * a.logits
-            head_acts = acts + k_head * (a.head + a.lsm) + logits_alive  # targets: views of the batch
+            logits_alive = (ps.head_fwds if PP_KEEPS_OUTPUTS else k_head) * a.logits * (not LOSS_IN_MODEL)
+            head_acts = acts + k_head * (a.head + lsm_kept) + logits_alive  # targets: views of the batch
         else:
-            logits_alive = a.logits if has_head else 0
-            head_acts = acts + a.head + a.lsm + a.targets + logits_alive
+            logits_alive = a.logits if has_head and not LOSS_IN_MODEL else 0
+            head_acts = acts + a.head + lsm_kept + a.targets + logits_alive
         # gradients alive when this backward starts
         if fsdp_accum:
             grads_prev = int(ps.grads * (4 * st.n_local + tp_embed))
@@ -123,18 +127,28 @@ def _peak(x: _Layout, pp_rank: int) -> _Peak:
         if has_head and ps.chunk == head_chunk:
             # the loss backward: log_softmax's gradient next to the nll gradient (two fp32 [n, V/tp]); under
             # TP's loss_parallel: the nll gradient, exp(log_softmax) and their sum, plus index masks
-            loss_grads = 3 * a.lsm + 4 * a.targets if x.tp > 1 and not x.E else 2 * a.lsm
-            moments.append(("loss backward", pcopies + gathered_fwd, grads_prev, head_acts, other0 + loss_grads,
-                            {"loss_grads": loss_grads}))
-            # the LM head's backward: d(logits), dW_out, d(head input); zero 3 re-gathers the root and
-            # prefetches the last block (its flat all-gather output waits in a staging buffer)
+            loss_grads = 3 * a.lsm + 4 * a.chunk_targets if x.tp > 1 and not x.E else 2 * a.lsm
             w_out = gb_ * (x.V // x.tp) * x.D
-            p2, o2 = pcopies + gathered_fwd, other0 + a.grad_logits + a.dy_head + w_out
+            # chunked: the last chunk backward runs (the first chunk) recomputes its log-softmax; the earlier
+            # chunks left their summed head-weight gradient and their [nc, D] input gradients (in the split's
+            # input buffer until all chunks are in)
+            # (under autocast in the compute dtype: the chunks share autocast's cached bf16 cast of the weight,
+            # whose backward node sums them before the one cast back to fp32)
+            w_acc = (2 * (x.V // x.tp) * x.D if x.path == "autocast" else w_out) if a.chunks > 1 else 0
+            chunk_acc = w_acc + a.dy_head if a.chunks > 1 else 0
+            moments.append(("loss backward", pcopies + gathered_fwd, grads_prev, head_acts + a.lsm - lsm_kept,
+                            other0 + loss_grads + chunk_acc, {"loss_grads": loss_grads}))
+            # the LM head's backward: d(logits), dW_out, d(head input); zero 3 re-gathers the root and
+            # prefetches the last block (its flat all-gather output waits in a staging buffer). Chunked: the
+            # engine sums each chunk's dW_out into the accumulated one out of place (torch's InputBuffer), so
+            # three [V, D] gradients meet at that add, next to the chunks' input gradients.
+            head_grads = a.grad_logits + a.dy_head + w_out if a.chunks == 1 else 3 * w_acc + a.dy_head
+            p2, o2 = pcopies + gathered_fwd, other0 + head_grads
             if zero3:
                 p2 += st.root_unit
                 o2 += st.unit_max
-            moments.append(("LM head backward", p2, grads_prev, head_acts - a.lsm, o2,
-                            {"head_grads": a.grad_logits + a.dy_head + w_out}))
+            moments.append(("LM head backward", p2, grads_prev, head_acts - lsm_kept, o2,
+                            {"head_grads": head_grads}))
         # the backward of the chunk's last block. New gradients of the head and of w2 are fresh tensors until
         # the first backward has run; then autograd adds into .grad in place, except FSDP mixed precision,
         # whose bf16 unsharded grads join the fp32 accumulator only at the unit's post-backward.
@@ -147,8 +161,9 @@ def _peak(x: _Layout, pp_rank: int) -> _Peak:
             # input-backward (I) retains the graph for the weight-backward (W): nothing is freed, and every
             # linear's output gradient of the chunk is kept for W
             o3 += lay[ps.chunk] * a.lin_out_grads
-            if has_head and ps.chunk == head_chunk:  # the loss part of the graph is retained too
-                acts_i, o_i = head_acts + rec, o3 + a.grad_logits
+            if has_head and ps.chunk == head_chunk:  # the loss part of the graph is retained too, with the
+                # head's output gradient of every loss chunk (the weight pass needs them all)
+                acts_i, o_i = head_acts + rec, o3 + a.grad_logits_all
             else:
                 acts_i, o_i = acts3, o3
             moments.append(("input backward (zero bubble)", p3, g3, acts_i, o_i + 5 * a.stream, {}))
@@ -162,7 +177,8 @@ def _peak(x: _Layout, pp_rank: int) -> _Peak:
     # the step's last block backward (first layer of the first chunk): gradients are nearly all there; with
     # full recompute or small batches this is where the peak is
     acc = m > 1 or x.pp > 1
-    logits_end = (m if (has_head and x.pp > 1 and PP_KEEPS_OUTPUTS) else (1 if has_head and x.pp == 1 else 0))
+    logits_end = (m if (has_head and x.pp > 1 and PP_KEEPS_OUTPUTS) else
+                  (1 if has_head and x.pp == 1 and not LOSS_IN_MODEL else 0))
     if fsdp:
         blk_shard = st.n_stored - st.root_stored
         root_local = st.n_local - blk_local * n_blk

@@ -18,8 +18,9 @@ import zlib
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
-from curry_train.config import Config, ModelConfig
+from curry_train.config import Config, ModelConfig, loss_chunk_count
 
 
 class RMSNorm(nn.Module):
@@ -123,11 +124,16 @@ class Transformer(nn.Module):
         cos, sin = rope_tables(m.d_model // m.n_heads, cfg.train.seq_len, m.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)  # [T_max, Dh/2]
         self.register_buffer("rope_sin", sin, persistent=False)
+        self.loss_chunks = cfg.train.loss_chunks  # config.loss_chunk_count: 0 = auto, 1 = unchunked
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
-        """tokens [B, T] ids (or [B, T, D] hidden states on a later pipeline stage) -> logits [B, T, V] or hidden.
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
+                targets: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens [B, T] ids (or [B, T, D] hidden states on a later pipeline stage) -> logits [B, T, V] or hidden;
+        with `targets` [B, T] the part that owns the head returns the mean loss instead (chunked_lm_loss).
 
         `positions` [T] are the global positions of the local tokens (context parallel); default 0..T-1.
+        The loss is computed here, inside the model's forward, so that FSDP's root unit (which holds `output`)
+        is gathered while the head runs and again, by its pre-backward hook, while backward recomputes it.
         """
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens  # [B, T, D]
         if positions is None:
@@ -136,12 +142,51 @@ class Transformer(nn.Module):
         for layer in self.layers.values():
             h = layer(h, cos, sin)
         h = self.norm(h) if self.norm is not None else h
-        return self.output(h) if self.output is not None else h
+        if self.output is None:
+            return h
+        if targets is None:
+            return self.output(h)
+        k = loss_chunk_count(self.loss_chunks, targets.numel(), self.model_args.vocab_size, self.model_args.d_model)
+        return chunked_lm_loss(self.output, h, targets, k)
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross entropy over the micro-batch; logits [B, T, V] (fp32 for the softmax), targets [B, T]."""
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def _chunk_loss(head: nn.Module, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Summed cross entropy of one chunk: h [c, D] -> logits [c, V] (upcast to fp32 for the softmax)."""
+    return F.cross_entropy(head(h).float(), targets, reduction="sum")
+
+
+def chunked_lm_loss(head: nn.Module, h: torch.Tensor, targets: torch.Tensor, chunks: int) -> torch.Tensor:
+    """lm_loss(head(h), targets) without the full logits: the mean over the B*T tokens of h [B, T, D].
+
+    chunks == 1 is lm_loss itself. Otherwise the tokens are split into `chunks` near-equal runs and each run's
+    head + summed cross entropy is an activation checkpoint (non-reentrant): forward keeps only the scalar
+    per chunk, and backward recomputes one chunk's logits, log-softmax and their gradients at a time (the
+    autograd engine runs the newest chunk's nodes first, so chunks do not interleave). The fp32 [n, V] logits
+    and their gradient never exist at once: the idea of Liger's fused linear cross entropy (Hsu et al. 2024,
+    arXiv:2410.10989) in plain torch, at the price of one more head matmul per chunk in backward.
+    Under TP the chunk logits are vocab-sharded DTensors and the cross entropy runs under loss_parallel() (the
+    caller's context must cover this forward and the backward); under SP h is a Shard(1) DTensor, gathered
+    once here, as the head's ColwiseParallel input would be, so every chunk is a replicated slice.
+    """
+    if chunks <= 1:
+        return lm_loss(head(h), targets)
+    from torch.distributed.tensor import DTensor, Replicate
+
+    if isinstance(h, DTensor) and any(not p.is_replicate() for p in h.placements):
+        h = h.redistribute(placements=[Replicate()] * h.device_mesh.ndim)
+    h, y = h.flatten(0, 1), targets.flatten()
+    n = y.numel()
+    sizes = [n // chunks + (1 if i < n % chunks else 0) for i in range(chunks)]
+    total = None
+    for hc, yc in zip(h.split(sizes), y.split(sizes), strict=True):
+        part = checkpoint(_chunk_loss, head, hc, yc, use_reentrant=False, preserve_rng_state=False)
+        total = part if total is None else total + part
+    return total / n
 
 
 def aux_loss(model: nn.Module) -> torch.Tensor | None:

@@ -21,10 +21,14 @@ Placement of stages on ranks (schedules from torch.distributed.pipelining):
            2024, "Zero Bubble Pipeline Parallelism", arXiv:2401.10241): with v=2 the V placement (rank r holds
            stages r and 2p-1-r, ZBV §6), otherwise looped placement with the interleaved zero-bubble schedule.
 
-Loss: the schedule calls `lm_loss` (mean over one micro-batch's tokens) per micro-batch and divides the
-accumulated gradients by m (`scale_grads=True`), so gradients are the mean over the m micro-batches, as in the
-reference; DDP / FSDP then average over dp. The schedule itself skips DDP's all-reduce / FSDP's reduce-scatter
-on all but the last micro-batch.
+Loss: the last stage computes it in its own forward (model/gpt.py chunked_lm_loss, so the [mb * T, V] logits
+never exist at once): the micro-batch's targets reach it as the forward kwarg `targets`, which step() splits
+into micro-batches like the inputs and passes to every stage this rank runs (torch 2.13 stage.py
+forward_one_chunk: "kwargs can be passed to all stages"; a stage without the head ignores them). The
+schedule's loss_fn (`_stage_loss`) then only hands that mean over one micro-batch's tokens on; the schedule
+divides the accumulated gradients by m (`scale_grads=True`), so gradients are the mean over the m
+micro-batches, as in the reference; DDP / FSDP then average over dp. The schedule itself skips DDP's
+all-reduce / FSDP's reduce-scatter on all but the last micro-batch.
 """
 
 from __future__ import annotations
@@ -39,7 +43,6 @@ from torch import nn
 from curry_train.config import Config
 from curry_train.mesh import dp_cp_mesh
 from curry_train.model.data import cp_positions, rank_micro_batches
-from curry_train.model.gpt import lm_loss
 from curry_train.pipeline_split import pipeline_stage_ids, split_for, stage_layer_range
 
 SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved_1f1b": "ScheduleInterleaved1F1B"}
@@ -148,8 +151,13 @@ def build_schedule(par) -> Any:
     cls = getattr(pipelining, schedule_name(cfg))
     single = cfg.parallel.pp_virtual == 1
     # scale_grads=True: grads /= m after the step, so the per-micro-batch mean losses average like the reference.
-    return cls(stages[0] if single else stages, n_microbatches=cfg.num_microbatches, loss_fn=lm_loss,
+    return cls(stages[0] if single else stages, n_microbatches=cfg.num_microbatches, loss_fn=_stage_loss,
                scale_grads=True)
+
+
+def _stage_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """The schedule's loss_fn: the last stage's forward already returned the micro-batch's mean loss."""
+    return output
 
 
 def _plain(t: torch.Tensor) -> torch.Tensor:
@@ -175,11 +183,13 @@ def pipeline_forward_backward(par, step: int) -> torch.Tensor:
         if first_stage:  # the owner of stage 0 feeds the tokens [m * mb, T / cp]; the schedule re-splits into m
             args = (torch.cat([m[0] for m in mbs]).to(par.device),)
         if last_stage:
-            kwargs = {"target": torch.cat([m[1] for m in mbs]).to(par.device), "losses": losses}
+            y = torch.cat([m[1] for m in mbs]).to(par.device)
+            # `target` (the schedule's, required with a loss_fn) and `targets` (the model's forward kwarg) are the
+            # same ids
+            kwargs = {"target": y, "losses": losses, "targets": y}
         del mbs  # only the concatenated copies stay alive through the schedule
-    # loss_parallel must cover the backward too (the schedule runs it inside step()). return_outputs=False: the
-    # last stage would otherwise keep every micro-batch's logits [mb, T, V] in output_chunks until the next step
-    # (torch 2.13 schedules.py, stage.forward_one_chunk's save_forward_output); only the losses are used here.
+    # loss_parallel covers the last stage's forward (the loss) and the backward (the schedule runs both inside
+    # step()). return_outputs=False: only the losses are used here.
     with par.autocast(), par.loss_context():
         par.schedule.step(*args, return_outputs=False, **kwargs)
     for part in par.parts:  # DDP + EP: expert shards, summed over edp_cp after the schedule scaled by 1/m

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from curry_train.config import Config, ConfigError, load_config, parse_sets
 from curry_train.mesh import Topology, build_mesh, device_type, node_layout
 from curry_train.model.data import rank_micro_batches
-from curry_train.model.gpt import aux_loss, build_meta_model, lm_loss
+from curry_train.model.gpt import aux_loss, build_meta_model
 from curry_train.parallel.parallelize import Parallelized, grad_reduce_group, parallelize
 from curry_train.train.optim import install as install_optim_hooks
 
@@ -97,10 +97,11 @@ def forward_backward(par: Parallelized, step: int) -> torch.Tensor:
     for m, (x, y, pos) in enumerate(rank_micro_batches(cfg, step, coords["dp"], coords["cp"])):
         par.grad_sync(m == n - 1)  # reduce gradients once, on the last micro-step
         x, y, pos = x.to(par.device), y.to(par.device), pos.to(par.device)
-        with par.autocast():
-            logits = model(x, pos)  # [mb, T_local, V]
+        # The model computes the loss itself (model/gpt.py chunked_lm_loss: no full [mb*T, V] logits), so TP's
+        # loss_parallel must cover its forward as well as the backward, which recomputes the chunks.
         with par.loss_context():
-            loss = lm_loss(logits, y)
+            with par.autocast():
+                loss = model(x, pos, targets=y)  # mean over the mb * T_local tokens
             extra = aux_loss(model)
             ((loss if extra is None else loss + extra) / n).backward()
         losses.append(_local(loss.detach()))
