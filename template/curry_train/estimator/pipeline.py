@@ -102,11 +102,16 @@ class _PipeState:
     grads: float  # share of this rank's chunks that already hold gradients (0 before the first backward)
     head_fwds: int  # forwards the head chunk has run so far (their logits are kept by step())
     chunk: int  # the chunk whose backward starts
+    kept: tuple[bool, ...] = ()  # per local chunk: every FSDP unit still unsharded (zero 3; see _kept_units)
+    own_grads: bool = True  # the starting chunk already holds gradients from an earlier backward
+    fwd: bool = False  # not a backward start: the end of chunk's forward (held counts its micro-batch)
 
 
 def pipe_states(x: _Layout, rank: int) -> list[_PipeState]:
     """The backward starts worth evaluating: the one with the most activations alive, the most with gradients
-    already there, and (last stage) the last one, when every micro-batch's logits are kept.
+    already there, each for every pattern of chunks whose FSDP units torch keeps gathered (_kept_units), and
+    (last stage) the last one, when every micro-batch's logits are kept. Also the fullest forward ends while
+    another chunk's units are kept (`fwd`).
 
     A zero-bubble input-backward (I) keeps the graph, and so the activations, until its weight-backward (W)."""
     return _pipe_states(x.schedule, x.pp, x.v, x.m, rank)
@@ -120,7 +125,8 @@ def _pipe_states(schedule: str, pp: int, v: int, m: int, rank: int) -> list[_Pip
     states = _simulate_pipe(schedule, pp, v, m_sim, rank)
     if m_sim == m:
         return states
-    return [_PipeState(s_.held, s_.grads, m, s_.chunk) if s_.head_fwds and i else s_ for i, s_ in enumerate(states)]
+    return [_PipeState(s_.held, s_.grads, m, s_.chunk, s_.kept, s_.own_grads, s_.fwd) if s_.head_fwds and i
+            else s_ for i, s_ in enumerate(states)]
 
 
 def _simulate_pipe(schedule: str, pp: int, v: int, m: int, rank: int) -> list[_PipeState]:
@@ -131,34 +137,91 @@ def _simulate_pipe(schedule: str, pp: int, v: int, m: int, rank: int) -> list[_P
     held = [0] * n_chunks
     has_grads = [False] * n_chunks
     fwd_head, n_grads = 0, 0
-    most = with_grads = last = None
-    most_key = wg_key = (-1, -1.0)
-    for kind, c in _actions(x, rank):  # type: ignore[arg-type]
+    best: dict[tuple, tuple[tuple, _PipeState]] = {}  # (ranking, kept pattern) -> (key, the best state so far)
+    last = None
+    for kind, c, kept in _kept_units(x, rank):  # type: ignore[arg-type]
         if kind == "F":
             held[c] += 1
             fwd_head += c == head
+            if any(k for ci, k in enumerate(kept) if ci != c):
+                # a forward while another chunk's units are still gathered (interleaved: measured peak)
+                state = _PipeState(tuple(held), n_grads / n_chunks, fwd_head, c, kept, has_grads[c], True)
+                key = (sum(held), state.grads)
+                if ("fwd", kept) not in best or key > best[("fwd", kept)][0]:
+                    best[("fwd", kept)] = (key, state)
             continue
         if kind in ("B", "I"):
             total, g = sum(held), n_grads / n_chunks
-            if (total, g) > most_key or (g, total) > wg_key:
-                state = _PipeState(tuple(held), g, fwd_head, c)
-                if (total, g) > most_key:
-                    most, most_key = state, (total, g)
-                if (g, total) > wg_key:
-                    with_grads, wg_key = state, (g, total)
-            last = (tuple(held), n_grads / n_chunks, fwd_head, c)
+            state = _PipeState(tuple(held), g, fwd_head, c, kept, has_grads[c])
+            # per pattern of kept units: the fullest backward start, and the one with the most gradients
+            for rank_by, key in (("most", (total, g)), ("grads", (g, total))):
+                if (rank_by, kept) not in best or key > best[(rank_by, kept)][0]:
+                    best[(rank_by, kept)] = (key, state)
+            last = state
         if kind in ("B", "W"):
             held[c] -= 1
             if not has_grads[c]:
                 has_grads[c] = True
                 n_grads += 1
-    if most is None:
-        return [_PipeState(tuple(held), 0.0, fwd_head, 0)]
-    out = [most] + ([with_grads] if with_grads != most else [])
-    if head >= 0 and last is not None:
-        last_state = _PipeState(*last)
-        if last_state not in out:
-            out.append(last_state)
+    if not best:
+        return [_PipeState(tuple(held), 0.0, fwd_head, 0, (False,) * n_chunks)]
+    out: list[_PipeState] = []
+    for rank_by in ("most", "grads", "fwd"):  # the overall fullest backward start first
+        for _, state in sorted((v_ for k, v_ in best.items() if k[0] == rank_by), key=lambda q: q[0],
+                               reverse=True):
+            if state not in out:
+                out.append(state)
+    if head >= 0 and last is not None and last not in out:
+        out.append(last)
+    return out
+
+
+def _kept_units(x: _Layout, rank: int) -> list[tuple[str, int, tuple[bool, ...]]]:
+    """_actions, each with, per local chunk, whether every FSDP unit of the chunk is unsharded when it starts.
+
+    torch 2.13 `pipelining/stage.py`, `_PipelineStageBase.backward_maybe_with_nosync`: for an FSDPModule stage,
+    every backward (B, I and W) first calls `set_reshard_after_backward(False)` and
+    `set_requires_gradient_sync(False)`, so each unit stays gathered after its backward; only
+    `perform_reduce_grad` (after the chunk's last backward: `ScheduleGPipe`/`Schedule1F1B._step_microbatches`,
+    or the REDUCE_GRAD action `schedules._add_reduce_grad` inserts) turns resharding back on and reshards.
+    In between, the chunk's next forward reshards each unit after its forward (zero 3:
+    `_fsdp_param_group.FSDPParamGroup.post_forward` -> `reshard`, reshard_after_forward=True); zero 2 keeps
+    every unit anyway. The multi-chunk runtime (interleaved 1F1B, zero bubble:
+    `_PipelineScheduleRuntime._step_microbatches`) also runs `_add_unshard_reshard`'s UNSHARD / RESHARD:
+    every unit of the next max_active_stages=3 distinct stages of this rank is gathered ahead of its action, the
+    others resharded (with v <= 3 chunks, all of them from the step's first action)."""
+    acts = _actions(x, rank)
+    runtime = x.schedule in ("interleaved_1f1b", "zero_bubble") and x.pp > 1
+    n_chunks = 1 + max(c for _, c in acts)
+    kept = [False] * n_chunks
+    active: set[int] = set()
+    backwards = [0] * n_chunks
+    out = []
+    for i, (kind, c) in enumerate(acts):
+        if runtime:
+            nxt: list[int] = []
+            for _, c2 in acts[i:]:
+                if c2 not in nxt:
+                    nxt.append(c2)
+                    if len(nxt) == 3:
+                        break
+            for c2 in list(active):
+                if c2 not in nxt:  # RESHARD
+                    active.discard(c2)
+                    kept[c2] = False
+            for c2 in nxt:
+                if c2 not in active:  # UNSHARD: every unit of the stage, all-gathered before it computes
+                    active.add(c2)
+                    kept[c2] = True
+        out.append((kind, c, tuple(kept)))
+        if kind == "F":
+            kept[c] = False  # each unit resharded after its forward (zero 3)
+        elif kind in ("B", "I"):
+            kept[c] = True  # every unit left gathered by the backward
+        if kind in ("B", "W"):
+            backwards[c] += 1
+            if backwards[c] == x.m:  # perform_reduce_grad: reduce-scatter and reshard
+                kept[c] = False
     return out
 
 
@@ -174,7 +237,7 @@ class _PipeKey:
 
 def in_flight(x: _Layout, rank: int) -> tuple[list[int], int]:
     """(per local chunk: micro-batches held at the fullest backward start, their total)."""
-    s_ = max(pipe_states(x, rank), key=lambda q: sum(q.held))
+    s_ = max((q for q in pipe_states(x, rank) if not q.fwd), key=lambda q: sum(q.held))
     return list(s_.held), sum(s_.held)
 
 
