@@ -196,15 +196,16 @@ def _kept_units(x: _Layout, rank: int) -> list[tuple[str, int, tuple[bool, ...]]
     kept = [False] * n_chunks
     active: set[int] = set()
     backwards = [0] * n_chunks
+    # the next 3 distinct chunks from each action on (_add_unshard_reshard's next_stage_indices), built backwards
+    upcoming: list[list[int]] = [[]] * len(acts)
+    cur: list[int] = []
+    for i in range(len(acts) - 1, -1, -1):
+        cur = [acts[i][1]] + [c2 for c2 in cur if c2 != acts[i][1]][:2]
+        upcoming[i] = cur
     out = []
     for i, (kind, c) in enumerate(acts):
         if runtime:
-            nxt: list[int] = []
-            for _, c2 in acts[i:]:
-                if c2 not in nxt:
-                    nxt.append(c2)
-                    if len(nxt) == 3:
-                        break
+            nxt = upcoming[i]
             for c2 in list(active):
                 if c2 not in nxt:  # RESHARD
                     active.discard(c2)
