@@ -18,7 +18,8 @@ from curry_train.estimator.states import _states
 # backward (the stage's fwd_cache), not in output_chunks for the whole step
 PP_KEEPS_OUTPUTS = False
 # parallelize._grad_sync_fn: FSDP reduce-scatters on every micro-step (sharded grads accumulate), but a pipeline
-# schedule turns sync off for all but the last micro-batch, so FSDP under PP keeps unsharded fp32 accumulators
+# schedule turns sync (and resharding) off for every backward and reduce-scatters in perform_reduce_grad after
+# the last (torch 2.13 pipelining/stage.py), so FSDP under PP keeps unsharded fp32 accumulators
 FSDP_ACCUMULATES_UNSHARDED_UNDER_PP = True
 # parallel/ddp.py: gradient_as_bucket_view=True, so DDP's buckets (states.ddp_buckets, alive from the wrap on)
 # *are* the gradients of the parameters DDP manages; only parameters outside DDP (EP's expert shards) add grads
