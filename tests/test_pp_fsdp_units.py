@@ -30,27 +30,27 @@ def test_1f1b_keeps_the_units_only_between_backwards_without_a_forward():
     x = _layout(load_any("tiny", D256))  # m = 4, rank 0: F F B F B F B B
     acts = _kept_units(x, 0)
     assert [k for k, _, _ in acts] == ["F", "F", "B", "F", "B", "F", "B", "B"]
-    # gathered at an action's start: after each backward until the next forward reshards (zero 3)
-    assert [kept[0] for _, _, kept in acts] == [False, False, False, True, False, True, False, True]
+    # bit 0 (chunk 0) gathered at an action's start: after each backward until the next forward reshards (zero 3)
+    assert [bool(kept & 1) for _, _, kept in acts] == [False, False, False, True, False, True, False, True]
 
 
 def test_gpipe_keeps_the_units_for_every_backward_after_the_first():
     x = _layout(load_any("tiny", {**D256, "parallel.pp_schedule": "gpipe"}))
-    kept = [kept[0] for kind, _, kept in _kept_units(x, 1) if kind == "B"]
+    kept = [bool(kept & 1) for kind, _, kept in _kept_units(x, 1) if kind == "B"]
     assert kept == [False, True, True, True]
 
 
 def test_interleaved_gathers_both_chunks_ahead_and_drops_one_after_its_last_backward():
     x = _layout(load_any("tiny", {**D256, "parallel.pp_schedule": "interleaved_1f1b", "parallel.pp_virtual": 2}))
     acts = _kept_units(x, 0)
-    assert acts[0][2] == (True, True)  # UNSHARD of both stages before the first action (_add_unshard_reshard)
+    assert acts[0][2] == 0b11  # (bit c: chunk c) UNSHARD of both stages before the first action (_add_unshard_reshard)
     # a forward of chunk 1 right after a backward of chunk 0: chunk 0 still gathered (the measured peak)
-    assert any(k == "F" and c == 1 and kept[0] for k, c, kept in acts)
+    assert any(k == "F" and c == 1 and kept & 1 for k, c, kept in acts)
     fwd = [s_ for s_ in pipe_states(x, 0) if s_.fwd]
     assert any(s_.chunk == 1 and s_.kept == (True, False) and s_.held == (3, 2) for s_ in fwd)
     # perform_reduce_grad after chunk 1's 4th (last) backward reshards it
     last_b1 = [i for i, (k, c, _) in enumerate(acts) if k == "B" and c == 1][-1]
-    assert acts[last_b1 + 1][2][1] is False
+    assert not acts[last_b1 + 1][2] & 0b10
     # the forward-end states do not change the schedule's in-flight count
     assert in_flight(x, 0)[1] == max(sum(s_.held) for s_ in pipe_states(x, 0) if not s_.fwd)
 
