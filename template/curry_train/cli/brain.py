@@ -15,6 +15,7 @@ import argparse
 import sys
 from typing import Any
 
+from curry_train.breakdown import CATEGORIES
 from curry_train.cli.argtypes import byte_count, float_in, positive_float, positive_int, seconds
 
 
@@ -46,8 +47,9 @@ def _human_estimate(e: Any) -> str:
     m = e.memory
     lines = [(f"per-rank peak {_gib(m.total)} (pipeline rank {m.pp_rank}, at the {m.phase}) vs usable "
              f"{_gib(e.usable_bytes)}: {'fits' if e.fits else 'OUT OF MEMORY'} (headroom {_gib(e.headroom_bytes)})"),
-             "  " + "  ".join(f"{k} {_gib(getattr(m, k))}" for k in ("params", "grads", "optimizer", "activations",
-                                                                    "other")),
+             # every category with bytes at the peak, so the line adds up to it (PP x FSDP: param_copies are GiBs)
+             "  " + "  ".join(f"{k} {_gib(getattr(m, k))}" for k in CATEGORIES
+                              if getattr(m, k) or k in ("params", "grads", "optimizer", "activations", "other")),
              (f"  {_count(e.param_count)} params ({_count(e.params_per_rank)} on this rank); "
               f"{human_flops(e.flops_per_token)}/token"),
              (f"  step {e.step_time.total_s:.3g} s on {e.hardware.name}: compute {e.step_time.compute_s:.3g} s, "

@@ -29,7 +29,8 @@ Per op, what autograd saves (measured on torch 2.13 CPU with saved-tensor hooks,
   log_softmax of the local vocabulary slice; the vocab-parallel embedding's gradient is full-size.
 Implementation buffers modelled: DDP's flat gradient buckets (gradient_as_bucket_view=True: the .grad tensors
 are views into them, so they are the gradients, alive from the wrap on), ZeroRedundancyOptimizer's greedy whole-tensor partition, FSDP2's padded dim-0 shards, the
-gathered units (zero 2: all of them from forward to backward; zero 3: root + current + prefetched block), the
+gathered units (zero 2: all of them from forward to backward; zero 3: root + current + prefetched block, and
+under a pipeline every unit of a chunk from its backward to its next forward: pipeline._kept_units), the
 unsharded fp32 gradients FSDP2 accumulates under a pipeline (its schedule turns sync off for all micro-batches
 but the last; without PP the template reduce-scatters every micro-step), the reduce-scatter input kept in
 flight, the pipeline's receive buffers (one per micro-batch), the loss's transients (two fp32 [chunk tokens, V]

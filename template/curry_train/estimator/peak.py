@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from curry_train.estimator.acts import _acts
-from curry_train.estimator.layout import _block_tensors, _Layout, stage_split
+from curry_train.estimator.layout import _block_tensors, _Layout, _root_tensors, stage_split
 from curry_train.estimator.pipeline import _PipeState, pipe_states, stage_ids
 from curry_train.estimator.states import _states
 
@@ -18,7 +18,8 @@ from curry_train.estimator.states import _states
 # backward (the stage's fwd_cache), not in output_chunks for the whole step
 PP_KEEPS_OUTPUTS = False
 # parallelize._grad_sync_fn: FSDP reduce-scatters on every micro-step (sharded grads accumulate), but a pipeline
-# schedule turns sync off for all but the last micro-batch, so FSDP under PP keeps unsharded fp32 accumulators
+# schedule turns sync (and resharding) off for every backward and reduce-scatters in perform_reduce_grad after
+# the last (torch 2.13 pipelining/stage.py), so FSDP under PP keeps unsharded fp32 accumulators
 FSDP_ACCUMULATES_UNSHARDED_UNDER_PP = True
 # model/gpt.py: the model computes the loss in its forward (chunked_lm_loss), so nothing outside holds the logits:
 # log_softmax saves its fp32 output, not its input, and each chunk's logits are recomputed in backward (one at a time)
@@ -122,7 +123,24 @@ def _peak(x: _Layout, pp_rank: int) -> _Peak:
         # (DDP's bucket views are written in place: zeroed, never set to None, parallelize.Parallelized.zero_grad)
         fresh = (ps.grads < 1 and not (x.ddp and DDP_GRADS_ARE_BUCKET_VIEWS)) or \
             (fsdp and (not fsdp_accum or x.path == "mp"))
-        gathered_fwd = st.all_units if (fsdp and not zero3) else 0  # zero 2 keeps every unit (root included)
+        # Gathered units: zero 2 keeps every unit (root included). Zero 3 under a pipeline: torch's schedule leaves
+        # a chunk's units gathered from its backward until its next forward (pipeline._kept_units cites torch).
+        kept = ps.kept if (zero3 and x.pp > 1 and ps.kept) else (False,) * len(stages)
+        kept_other = sum(u for ci, u in enumerate(st.chunk_units) if kept[ci] and ci != ps.chunk)
+        own_kept = kept[ps.chunk]
+        if ps.fwd and not any(kept):
+            continue  # (only zero 3 keeps units a forward could sit next to)
+        if ps.fwd:
+            # the end of this chunk's forward while other chunks' units are kept: its root and last block are
+            # gathered, and FSDP2 holds that block's flat all-gather output until the next copy-out
+            # (_fsdp_param_group.FSDPParamGroup.wait_for_unshard, implicit forward prefetch)
+            root_c = st.chunk_units[ps.chunk] - lay[ps.chunk] * st.unit_max
+            acts_f = acts + (a.logits if ps.chunk == head_chunk else 0)
+            moments.append(("forward (units kept)", pcopies + kept_other + root_c + st.unit_max,
+                            grads_prev, acts_f, other0 + st.unit_max + a.stream, {}))
+            continue
+        gathered_fwd = st.all_units if (fsdp and not zero3) else \
+            kept_other + (st.chunk_units[ps.chunk] if own_kept else 0)
 
         if has_head and ps.chunk == head_chunk:
             # the loss backward: log_softmax's gradient next to the nll gradient (two fp32 [n, V/tp]); under
@@ -144,7 +162,7 @@ def _peak(x: _Layout, pp_rank: int) -> _Peak:
             # three [V, D] gradients meet at that add, next to the chunks' input gradients.
             head_grads = a.grad_logits + a.dy_head + w_out if a.chunks == 1 else 3 * w_acc + a.dy_head
             p2, o2 = pcopies + gathered_fwd, other0 + head_grads
-            if zero3:
+            if zero3 and not own_kept:
                 p2 += st.root_unit
                 o2 += st.unit_max
             moments.append(("LM head backward", p2, grads_prev, head_acts - lsm_kept, o2,
@@ -154,8 +172,9 @@ def _peak(x: _Layout, pp_rank: int) -> _Peak:
         # whose bf16 unsharded grads join the fp32 accumulator only at the unit's post-backward.
         head_grads = gb_ * vd if has_head and ps.chunk == head_chunk and fresh else 0
         g3 = grads_prev + head_grads + (gb_ * w2 if fresh else 0)
-        p3 = pcopies + ((st.all_units if not zero3 else st.root_unit + st.unit_max) if fsdp else 0)
-        o3 = other0 + a.d_stream + (st.unit_max if zero3 else 0)  # + the prefetched block's staging buffer
+        gathering = zero3 and not own_kept  # units gathered one by one: root + this block (+ the prefetched one)
+        p3 = pcopies + (gathered_fwd + (st.root_unit + st.unit_max if gathering else 0) if fsdp else 0)
+        o3 = other0 + a.d_stream + (st.unit_max if gathering else 0)  # + the prefetched block's staging buffer
         acts3 = acts + logits_alive + rec
         if x.pp > 1 and x.schedule == "zero_bubble":
             # input-backward (I) retains the graph for the weight-backward (W): nothing is freed, and every
@@ -169,6 +188,25 @@ def _peak(x: _Layout, pp_rank: int) -> _Peak:
             moments.append(("input backward (zero bubble)", p3, g3, acts_i, o_i + 5 * a.stream, {}))
         moments.append(("block backward (SwiGLU)", p3, g3, acts3 - a.prod, o3 + a.ffn_bwd, {}))
         moments.append(("block backward (norm)", p3, g3, acts3 - a.ffn_saved, o3 + 5 * a.stream, {}))
+        if zero3 and x.pp > 1:
+            # the start of the chunk's first block backward: every unit of the chunk stays gathered
+            # (set_reshard_after_backward(False)) while this micro-batch's later blocks have freed their
+            # activations; unless they were kept, the first block's prefetched all-gather output (FSDP2 staging,
+            # freed only after its copy-out) sits next to its unsharded copy (measured, memory.py "comm")
+            c = ps.chunk
+            acts_end = acts3 - (lay[c] - 1) * a.layer_saved - (a.logits if c == head_chunk else 0)
+            if c == head_chunk:  # the other micro-batches' saved head activations (GPipe holds m, measured)
+                acts_end += (held[c] - 1) * a.head
+            g_end = grads_prev
+            if not ps.own_grads:  # the chunk's first backward: accumulators of its later blocks and its head
+                root_c = sum(d0 * r_ for d0, r_, _, _ in _root_tensors(x, False, stages[c] == n_stages - 1))
+                g_end += 4 * ((lay[c] - 1) * blk_local + root_c)
+            p_end = pcopies + kept_other + st.chunk_units[c]
+            if not own_kept:
+                moments.append(("first block gathered (units kept)", p_end, g_end, acts_end,
+                                other0 + a.d_stream + st.unit_max, {}))
+            moments.append(("first block backward (units kept)", p_end, g_end + gb_ * w2, acts_end - a.prod,
+                            other0 + a.d_stream + a.ffn_bwd, {}))
         if x.cp > 1:  # inside ring attention's backward (its fp32 working set, see _ring_backward)
             g_attn = g3 + (gb_ * blk_local - gb_ * w2 if fresh and not x.E else 0)
             moments.append(("ring attention backward", p3, g_attn, acts3 - a.ffn_saved - a.post_attn,
@@ -192,6 +230,8 @@ def _peak(x: _Layout, pp_rank: int) -> _Peak:
                 g4 += 4 * (st.n_stored - (blk_shard - blk_shard // max(n_blk, 1)))
             g4 += cb * (root_local - ((x.V // x.tp) * x.D if has_embed else 0) + w2)
         p4, o4 = st.root_unit + st.unit_max, st.rs_buffer
+        if x.pp > 1:  # the chunk's units all stay gathered until perform_reduce_grad (pipeline._kept_units)
+            p4 = st.chunk_units[0]
     else:
         embed_grad = 4 * x.V * x.D if (has_embed and x.tp > 1) else (4 * (x.V // x.tp) * x.D if has_embed else 0)
         g4 = _with_buckets(st.grads_full if acc else st.grads_full - 4 * blk_local - embed_grad + 4 * w2,

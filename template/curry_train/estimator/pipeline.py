@@ -102,28 +102,35 @@ class _PipeState:
     grads: float  # share of this rank's chunks that already hold gradients (0 before the first backward)
     head_fwds: int  # forwards the head chunk has run so far (their logits are kept by step())
     chunk: int  # the chunk whose backward starts
+    kept: tuple[bool, ...] = ()  # per local chunk: every FSDP unit still unsharded (zero 3; see _kept_units)
+    own_grads: bool = True  # the starting chunk already holds gradients from an earlier backward
+    fwd: bool = False  # not a backward start: the end of chunk's forward (held counts its micro-batch)
 
 
 def pipe_states(x: _Layout, rank: int) -> list[_PipeState]:
     """The backward starts worth evaluating: the one with the most activations alive, the most with gradients
-    already there, and (last stage) the last one, when every micro-batch's logits are kept.
+    already there, each for every pattern of chunks whose FSDP units torch keeps gathered (_kept_units), and
+    (last stage) the last one, when every micro-batch's logits are kept. Also the fullest forward ends while
+    another chunk's units are kept (`fwd`).
 
     A zero-bubble input-backward (I) keeps the graph, and so the activations, until its weight-backward (W)."""
-    return _pipe_states(x.schedule, x.pp, x.v, x.m, rank)
+    return _pipe_states(x.schedule, x.pp, x.v, x.m, rank, x.fsdp and x.zero == 3)
 
 
 @lru_cache(maxsize=8192)
-def _pipe_states(schedule: str, pp: int, v: int, m: int, rank: int) -> list[_PipeState]:
+def _pipe_states(schedule: str, pp: int, v: int, m: int, rank: int, units: bool = False) -> list[_PipeState]:
     # The schedules are periodic after the warm-up: simulate at most 8 rounds of micro-batches (keeping m's
     # residue mod pp, which the interleaved warm-up reads) and let the head rank's kept logits count all m.
     m_sim = m if m <= 8 * pp * v else 8 * pp * v + m % pp
-    states = _simulate_pipe(schedule, pp, v, m_sim, rank)
+    states = _simulate_pipe(schedule, pp, v, m_sim, rank, units)
     if m_sim == m:
         return states
-    return [_PipeState(s_.held, s_.grads, m, s_.chunk) if s_.head_fwds and i else s_ for i, s_ in enumerate(states)]
+    return [_PipeState(s_.held, s_.grads, m, s_.chunk, s_.kept, s_.own_grads, s_.fwd) if s_.head_fwds and i
+            else s_ for i, s_ in enumerate(states)]
 
 
-def _simulate_pipe(schedule: str, pp: int, v: int, m: int, rank: int) -> list[_PipeState]:
+def _simulate_pipe(schedule: str, pp: int, v: int, m: int, rank: int, units: bool) -> list[_PipeState]:
+    """`units`: track the chunks whose units torch keeps gathered (zero 3; otherwise none are, as before)."""
     x = _PipeKey(schedule=schedule, pp=pp, v=v, m=m)
     stages = stage_ids(x, rank)  # type: ignore[arg-type]
     n_chunks = len(stages)
@@ -131,34 +138,112 @@ def _simulate_pipe(schedule: str, pp: int, v: int, m: int, rank: int) -> list[_P
     held = [0] * n_chunks
     has_grads = [False] * n_chunks
     fwd_head, n_grads = 0, 0
-    most = with_grads = last = None
-    most_key = wg_key = (-1, -1.0)
-    for kind, c in _actions(x, rank):  # type: ignore[arg-type]
+    # (ranking, kept pattern) -> (key, the state's fields): per pattern of kept units, the fullest backward start,
+    # the one with the most gradients, and the fullest forward end while another chunk is kept
+    best: dict[int, tuple[tuple, tuple]] = {}  # ranking * 2**n_chunks + kept mask -> (key, the state's fields)
+    last = None
+    acts = _kept_units(x, rank) if units else [(k, c, 0) for k, c in _actions(x, rank)]  # type: ignore
+    top = 1 << n_chunks
+    for kind, c, kept in acts:
         if kind == "F":
             held[c] += 1
             fwd_head += c == head
+            if kept & ~(1 << c):  # (interleaved: the measured peak)
+                key = (sum(held), n_grads / n_chunks)
+                prev = best.get(2 * top + kept)
+                if prev is None or key > prev[0]:
+                    best[2 * top + kept] = (key, (tuple(held), key[1], fwd_head, c, kept, has_grads[c], True))
             continue
         if kind in ("B", "I"):
             total, g = sum(held), n_grads / n_chunks
-            if (total, g) > most_key or (g, total) > wg_key:
-                state = _PipeState(tuple(held), g, fwd_head, c)
-                if (total, g) > most_key:
-                    most, most_key = state, (total, g)
-                if (g, total) > wg_key:
-                    with_grads, wg_key = state, (g, total)
-            last = (tuple(held), n_grads / n_chunks, fwd_head, c)
+            fields = None
+            for slot, key in ((kept, (total, g)), (top + kept, (g, total))):
+                prev = best.get(slot)
+                if prev is None or key > prev[0]:
+                    fields = fields or (tuple(held), g, fwd_head, c, kept, has_grads[c], False)
+                    best[slot] = (key, fields)
+            last = (tuple(held), g, fwd_head, c, kept, has_grads[c])
         if kind in ("B", "W"):
             held[c] -= 1
             if not has_grads[c]:
                 has_grads[c] = True
                 n_grads += 1
-    if most is None:
-        return [_PipeState(tuple(held), 0.0, fwd_head, 0)]
-    out = [most] + ([with_grads] if with_grads != most else [])
+    def pattern(mask: int) -> tuple[bool, ...]:
+        return tuple(bool(mask >> ci & 1) for ci in range(n_chunks))
+
+    if not best:
+        return [_PipeState(tuple(held), 0.0, fwd_head, 0, pattern(0))]
+    out: list[_PipeState] = []
+    for ranking in range(3):  # most in flight, most gradients, forward ends; the overall fullest state first
+        for _, f in sorted((v_ for k, v_ in best.items() if k // top == ranking), key=lambda q: q[0], reverse=True):
+            state = _PipeState(f[0], f[1], f[2], f[3], pattern(f[4]), f[5], f[6])
+            if state not in out:
+                out.append(state)
     if head >= 0 and last is not None:
-        last_state = _PipeState(*last)
+        h, g, fh, c, kept, og = last
+        last_state = _PipeState(h, g, fh, c, pattern(kept), og)
         if last_state not in out:
             out.append(last_state)
+    return out
+
+
+def _kept_units(x: _Layout, rank: int) -> list[tuple[str, int, int]]:
+    """_actions, each with a bit mask of the local chunks whose FSDP units are all unsharded when it starts
+    (bit c: chunk c).
+
+    torch 2.13 `pipelining/stage.py`, `_PipelineStageBase.backward_maybe_with_nosync`: for an FSDPModule stage,
+    every backward (B, I and W) first calls `set_reshard_after_backward(False)` and
+    `set_requires_gradient_sync(False)`, so each unit stays gathered after its backward; only
+    `perform_reduce_grad` (after the chunk's last backward: `ScheduleGPipe`/`Schedule1F1B._step_microbatches`,
+    or the REDUCE_GRAD action `schedules._add_reduce_grad` inserts) turns resharding back on and reshards.
+    In between, the chunk's next forward reshards each unit after its forward (zero 3:
+    `_fsdp_param_group.FSDPParamGroup.post_forward` -> `reshard`, reshard_after_forward=True); zero 2 keeps
+    every unit anyway. The multi-chunk runtime (interleaved 1F1B, zero bubble:
+    `_PipelineScheduleRuntime._step_microbatches`) also runs `_add_unshard_reshard`'s UNSHARD / RESHARD:
+    every unit of the next max_active_stages=3 distinct stages of this rank is gathered ahead of its action, the
+    others resharded (with v <= 3 chunks, all of them from the step's first action)."""
+    acts = _actions(x, rank)
+    runtime = x.schedule in ("interleaved_1f1b", "zero_bubble") and x.pp > 1
+    n_chunks = 1 + max(c for _, c in acts)
+    kept = [False] * n_chunks
+    last_action = {c: i for i, (_, c) in enumerate(acts)}
+    few = runtime and n_chunks <= 3  # every chunk is among the next 3 from the start until its last action
+    if few:
+        kept, runtime = [True] * n_chunks, False
+    active: set[int] = set()
+    backwards = [0] * n_chunks
+    # the next 3 distinct chunks from each action on (_add_unshard_reshard's next_stage_indices), built backwards
+    upcoming: list[list[int]] = [[]] * len(acts)
+    cur: list[int] = []
+    for i in range(len(acts) - 1 if runtime else -1, -1, -1):
+        cur = [acts[i][1]] + [c2 for c2 in cur if c2 != acts[i][1]][:2]
+        upcoming[i] = cur
+    out = []
+    mask = sum(1 << ci for ci, k in enumerate(kept) if k)
+    for i, (kind, c) in enumerate(acts):
+        if runtime:
+            nxt = upcoming[i]
+            for c2 in [c2 for c2 in active if c2 not in nxt]:  # RESHARD
+                active.discard(c2)
+                kept[c2] = False
+            for c2 in nxt:
+                if c2 not in active:  # UNSHARD: every unit of the stage, all-gathered before it computes
+                    active.add(c2)
+                    kept[c2] = True
+            mask = sum(1 << ci for ci, k in enumerate(kept) if k)
+        out.append((kind, c, mask))
+        if kind == "F":
+            kept[c] = False  # each unit resharded after its forward (zero 3)
+        elif kind in ("B", "I"):
+            kept[c] = True  # every unit left gathered by the backward
+        if kind in ("B", "W"):
+            backwards[c] += 1
+            if backwards[c] == x.m:  # perform_reduce_grad: reduce-scatter and reshard
+                kept[c] = False
+        if few and i == last_action[c]:
+            kept[c] = False  # RESHARD once no action of the chunk is left
+        if kept[c] != bool(mask >> c & 1):
+            mask ^= 1 << c
     return out
 
 
@@ -174,7 +259,7 @@ class _PipeKey:
 
 def in_flight(x: _Layout, rank: int) -> tuple[list[int], int]:
     """(per local chunk: micro-batches held at the fullest backward start, their total)."""
-    s_ = max(pipe_states(x, rank), key=lambda q: sum(q.held))
+    s_ = max((q for q in pipe_states(x, rank) if not q.fwd), key=lambda q: sum(q.held))
     return list(s_.held), sum(s_.held)
 
 

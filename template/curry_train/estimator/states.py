@@ -40,6 +40,7 @@ class _States:
     n_stored: int  # parameters stored (after FSDP)
     largest_tensor: int
     root_stored: int = 0  # of which the root unit's (embedding, final norm, head)
+    chunk_units: tuple[int, ...] = ()  # per pipeline chunk (stage) of this rank: its units gathered (compute bytes)
 
 
 def _states(x: _Layout, stages: list[int]) -> _States:
@@ -78,11 +79,13 @@ def _states_cached(x: _Layout, stages: tuple[int, ...]) -> _States:
         unit = sum(shard(tn) * group(tn) for tn in blk)  # padded unsharded block (experts nested: same sum)
         root_sz = sum(shard(tn) * group(tn) for tn in root)
         largest = max([shard(tn) for tn in blk + root], default=0)
+        chunks = tuple(cbytes * (rank_layers(x, (s_,)) * unit + sum(
+            shard(tn) * group(tn) for tn in _root_tensors(x, s_ == 0, s_ == n_stages - 1))) for s_ in stages)
         return _States(params=4 * stored, grads_full=4 * stored, opt=8 * stored +
                        step_bytes * n_tensors, ddp_buckets=0, unit_max=cbytes * unit, root_unit=cbytes * root_sz,
                        all_units=cbytes * (n_blocks * unit + root_sz), rs_buffer=4 * unit,
                        step_transient=_step_transient(x, 4 * largest, 4 * stored), n_local=n_local,
-                       n_stored=stored, largest_tensor=largest, root_stored=root_shard)
+                       n_stored=stored, largest_tensor=largest, root_stored=root_shard, chunk_units=chunks)
     if x.zero == 1 and x.dpcp > 1:
         every = blk * n_blocks + root
         owned = _zero1_max_share(tuple(g if r > 1 else d0 for d0, r, g, _ in every),
