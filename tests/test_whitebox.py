@@ -100,3 +100,28 @@ def test_later_step_gradients_allow_the_drift_the_update_bound_admits_and_no_mor
     # without drift the tight bound holds: the same gradient difference fails
     tight = compare(cfg, *_drifted(0.0, 0.9 * kappa * 1e-4), 2)
     assert not tight.passed and "grad[step 1] w" in tight.failures[0]
+
+
+def _adam_step(g_small: float, where: int, diff: float) -> tuple[dict, dict]:
+    """One step of a 4096-element tensor updated by lr*sign(g); element 0 has gradient `g_small`; the parallel
+    weights differ by `diff` at element `where`."""
+    lr = load_config(TINY).train.lr
+    g = torch.full((4096,), 1e-3)
+    g[0] = g_small
+    before = {"w": torch.zeros(4096)}
+    after = {"w": -lr * torch.sign(g)}
+    ref = {"losses": [1.0], "grads": [{"w": g}], "params": [after], "params_before": before,
+           "replicas": [{}], "holders": [{"w": 1}]}
+    moved = after["w"].clone()
+    moved[where] += diff
+    return ref, {**ref, "params": [{"w": moved}]}
+
+
+def test_an_eps_sized_gradients_update_may_differ_by_a_sign_flip_and_no_other_element_may():
+    """compare.py docstring, "sign-free": AdamW turns eps-sized gradient noise into a share of lr."""
+    cfg = load_config(TINY)
+    lr = cfg.train.lr
+    assert compare(cfg, *_adam_step(1e-8, 0, 0.1 * lr), 1).passed  # 0.1 lr of 0.19 L2: 1.6e-3, over 1e-3
+    assert not compare(cfg, *_adam_step(1e-3, 0, 0.1 * lr), 1).passed  # the same on an ordinary element
+    assert not compare(cfg, *_adam_step(1e-8, 0, 2.5 * lr), 1).passed  # more than a sign flip
+    assert not compare(cfg, *_adam_step(1e-8, 1, 0.1 * lr), 1).passed  # the free element excuses no other
