@@ -51,10 +51,8 @@ MATRIX: dict[str, dict[str, Any]] = {
     "pp2-dp2-zero3": {"parallel.pp": 2, "parallel.dp": 2, "parallel.zero": 3, "train.micro_batch": 1},
     # parameter-heavy (issue 17): torch pipelining keeps every FSDP unit of a stage unsharded from its backward
     # until its next forward (set_reshard_after_backward(False)); estimator.pipeline._kept_units models it per
-    # schedule: gpipe, 1f1b and interleaved, zero 2 and zero 3, fp32 and bf16. (No zero-bubble row: with FSDP,
-    # ScheduleZBVZeroBubble leaves one chunk of rank 0 without gradients, so white-box fails and AdamW never
-    # creates that chunk's state; `whitebox --config tiny --set parallel.pp=2 --set parallel.dp=2 --set
-    # parallel.zero=3 --set parallel.pp_schedule=zero_bubble --set parallel.pp_virtual=2` shows it.)
+    # schedule: gpipe, 1f1b and interleaved, zero 2 and zero 3, fp32 and bf16; and zero bubble, whose input /
+    # weight passes run on every unit of the chunk gathered (parallel/pipeline.py _split_backward_stage).
     "pp2-dp2-zero3-d256": {"parallel.pp": 2, "parallel.dp": 2, "parallel.zero": 3, "train.micro_batch": 1,
                            "model.d_model": 256, "model.d_ff": 512},
     "pp2-dp2-zero3-d256-gpipe": {"parallel.pp": 2, "parallel.dp": 2, "parallel.zero": 3, "train.micro_batch": 1,
@@ -64,6 +62,9 @@ MATRIX: dict[str, dict[str, Any]] = {
                                        "parallel.pp_schedule": "interleaved_1f1b", "parallel.pp_virtual": 2},
     "pp2-dp2-zero3-d256-bf16": {"parallel.pp": 2, "parallel.dp": 2, "parallel.zero": 3, "train.micro_batch": 1,
                                 "model.d_model": 256, "model.d_ff": 512, "train.dtype": "bfloat16"},
+    "pp2-dp2-zero3-d256-zb": {"parallel.pp": 2, "parallel.dp": 2, "parallel.zero": 3, "train.micro_batch": 1,
+                              "model.d_model": 256, "model.d_ff": 512, "parallel.pp_schedule": "zero_bubble",
+                              "parallel.pp_virtual": 2},
     "pp2-dp2-zero2-d256": {"parallel.pp": 2, "parallel.dp": 2, "parallel.zero": 2, "train.micro_batch": 1,
                            "model.d_model": 256, "model.d_ff": 512},
     "cp2": {"parallel.cp": 2},

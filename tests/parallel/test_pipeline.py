@@ -32,6 +32,15 @@ FOUR_RANKS = [
     {"parallel.pp": 4, "parallel.pp_schedule": "gpipe"},
     {"parallel.pp": 4, "parallel.pp_schedule": "1f1b"},
     {"parallel.pp": 4, "parallel.pp_schedule": "1f1b", "train.micro_batch": 1},
+    # ZeRO-3 x zero bubble: the I / W passes must see FSDP's unsharded parameters (pipeline._split_backward_stage;
+    # without it every stage but 0 lost weight gradients, the head's all of them). 4 micro-batches per dp rank,
+    # so forwards (which reshard) run between a micro-batch's I and W passes.
+    {"parallel.pp": 2, "parallel.dp": 2, "parallel.zero": 3, "train.global_batch": 16,
+     "parallel.pp_schedule": "zero_bubble", "parallel.pp_virtual": 2},                          # ZBV
+    {"parallel.pp": 2, "parallel.dp": 2, "parallel.zero": 3, "train.global_batch": 16,
+     "parallel.pp_schedule": "zero_bubble", "parallel.pp_virtual": 4, "model.n_layers": 8},     # interleaved ZB
+    {"parallel.pp": 2, "parallel.dp": 2, "parallel.zero": 3, "train.dtype": "bfloat16",
+     "parallel.pp_schedule": "zero_bubble", "parallel.pp_virtual": 2},
 ]
 
 
@@ -89,7 +98,9 @@ def test_every_schedule_on_two_ranks_matches_the_reference(tmp_path):
 
 @pytest.mark.multirank
 @pytest.mark.slow
-def test_four_stages_match_the_reference(tmp_path):
+def test_four_ranks_match_the_reference(tmp_path):
+    """Four stages, and two stages x FSDP ZeRO-3 under the zero-bubble schedules."""
     cfgs = [load_config(TINY, o) for o in FOUR_RANKS]
     for o, v in zip(FOUR_RANKS, whitebox_batch(cfgs, steps=2, out_dir=tmp_path)):
         assert v.passed, (o, v.failures, v.worst_parameter)
+        assert v.n_params_compared == (39 if o.get("model.n_layers", 4) == 4 else 75)

@@ -146,13 +146,49 @@ def build_schedule(par) -> Any:
     def get_mesh(names: tuple[str, ...], layout: Any) -> Any:  # rebuilds received DTensors (SP activations)
         return par.mesh[names[0] if len(names) == 1 else names]
 
-    stages = [pipelining.PipelineStage(part, s, n_stages, par.device, group=group, get_mesh=get_mesh)
+    stage_cls = _split_backward_stage() if cfg.parallel.pp_schedule == "zero_bubble" else pipelining.PipelineStage
+    stages = [stage_cls(part, s, n_stages, par.device, group=group, get_mesh=get_mesh)
               for part, s in zip(par.parts, par.stage_ids)]
     cls = getattr(pipelining, schedule_name(cfg))
     single = cfg.parallel.pp_virtual == 1
     # scale_grads=True: grads /= m after the step, so the per-micro-batch mean losses average like the reference.
     return cls(stages[0] if single else stages, n_microbatches=cfg.num_microbatches, loss_fn=_stage_loss,
                scale_grads=True)
+
+
+def _split_backward_stage() -> type:
+    """PipelineStage whose input-gradient (I) and weight-gradient (W) passes see FSDP's unsharded parameters.
+
+    Why (the ZeRO-3 x zero_bubble bug: step-0 gradients of every stage but stage 0 wrong, the head's lost):
+    torch 2.13 `pipelining/_backward.py` `stage_backward_input` finds the weights' gradient paths by the
+    AccumulateGrad nodes of `self.submod.parameters()` (`_get_grad_fn_or_grad_acc`, then `get_param_groups`),
+    evaluated before its `autograd.grad` call. The forward graph was built on FSDP2's unsharded parameters
+    (`FSDPParam._unsharded_param`, one Parameter object reused by every all-gather); but with
+    reshard_after_forward=True (zero=3) `FSDPParamGroup.post_forward` has already swapped the module's
+    attributes back to the sharded DTensors, whose AccumulateGrad nodes are not in that graph. The runtime's
+    UNSHARD action (`schedules._add_unshard_reshard`) does not help: the stage's next forward reshards again.
+    `get_param_groups` then finds no group for those parameters, so `stage_backward_weight` computes nothing
+    for them and the micro-batch's weight gradient is silently dropped (no error). Stage 0 is spared because
+    its W pass is a full `stage_backward`, and zero=2 (reshard_after_forward=False) keeps the unsharded
+    Parameters registered, so both pass. Fix: gather every FSDP unit of the stage (`FSDPModule.unshard`, a
+    no-op when already gathered) before the I and the W pass, so `submod.parameters()` are the Parameters the
+    graph used; the W pass also needs it because a forward between I and W reshards again. Cost: the chunk's
+    units are gathered at the start of I rather than one by one during it; torch keeps them all gathered after
+    any backward until REDUCE_GRAD anyway (`backward_maybe_with_nosync` -> `set_reshard_after_backward(False)`),
+    and the all-gathers are the ones zero=3's own pre-backward unshard would issue (benchmarks/
+    estimator_accuracy.py row pp2-dp2-zero3-d256-zb: the estimate stays within 5% of the measured peak)."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.pipelining import PipelineStage
+
+    class SplitBackwardStage(PipelineStage):
+        def backward_maybe_with_nosync(self, backward_type, bwd_kwargs, last_backward=False):
+            if backward_type in ("input", "weight") and isinstance(self.submod, FSDPModule):
+                for module in self.submod.modules():
+                    if isinstance(module, FSDPModule):
+                        module.unshard()
+            return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+
+    return SplitBackwardStage
 
 
 def _stage_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
