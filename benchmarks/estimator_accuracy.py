@@ -90,11 +90,12 @@ MATRIX: dict[str, dict[str, Any]] = {
     "vocab-single-unchunked": {"model.vocab_size": 4096, "train.loss_chunks": 1},
     "vocab-single-bf16-chunks5": {"model.vocab_size": 4096, "train.dtype": "bfloat16", "train.loss_chunks": 5},
     "vocab-zero3-dp2": {"model.vocab_size": 4096, "parallel.dp": 2, "parallel.zero": 3},
-    # known gap: with the loss chunked, this rank peaks in the root unit's reduce-scatter at the end of the
-    # backward (fp32 reduce-scatter inputs of the [V, D] head and embedding, earlier ones still held by the
-    # asynchronous collectives), a moment the estimator does not model yet (about -14% total)
+    # with the loss chunked, this rank peaks in the root unit's reduce-scatter at the end of the backward: the
+    # fp32 reduce-scatter input and output of the [V, D] head and embedding (estimator.peak._root_reduce_scatter)
     "vocab-zero3-dp2-bf16": {"model.vocab_size": 4096, "parallel.dp": 2, "parallel.zero": 3,
                              "train.dtype": "bfloat16"},
+    "vocab-zero2-dp4-bf16": {"model.vocab_size": 4096, "parallel.dp": 4, "parallel.zero": 2,  # one micro-step:
+                             "train.dtype": "bfloat16"},  # the root's sharded grad is the new output
     "vocab-tp2": {"model.vocab_size": 4096, "parallel.tp": 2},
     "vocab-tp2-sp-chunks8": {"model.vocab_size": 4096, "parallel.tp": 2, "parallel.sp": True,
                              "train.loss_chunks": 8},

@@ -1,6 +1,6 @@
 """The per-rank peak for the estimator: the largest of a few moments of the step (loss and LM-head backward,
-block backwards, the optimizer step; with a pipeline at the schedule's fullest backward starts), each split into
-memory.py's components.
+block backwards, FSDP's root reduce-scatter, the optimizer step; with a pipeline at the schedule's fullest
+backward starts), each split into memory.py's components.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from functools import lru_cache
 from curry_train.estimator.acts import _acts
 from curry_train.estimator.layout import _block_tensors, _Layout, _root_tensors, stage_split
 from curry_train.estimator.pipeline import _PipeState, pipe_states, stage_ids
-from curry_train.estimator.states import _states
+from curry_train.estimator.states import _States, _states
 
 # Implementation facts this estimator encodes (change them here when the template changes).
 # pipeline.py calls schedule.step(return_outputs=False): a micro-batch's logits live only from its forward to its
@@ -51,8 +51,9 @@ def _peak(x: _Layout, pp_rank: int) -> _Peak:
     """The peak of one pipeline rank: the largest of a few moments of the step, each split into the components
     memory.py measures (bench folds param copies into params, DDP buckets / FSDP unsharded gradients into
     grads). Moments: the loss backward, the LM head's backward, the backward of the last and of the first
-    block (at the SwiGLU product's gradient or in RMSNorm's backward), the optimizer step. With a pipeline they
-    are evaluated at the backward starts where the most micro-batches are in flight (pipe_states)."""
+    block (at the SwiGLU product's gradient or in RMSNorm's backward), FSDP's root reduce-scatter, the
+    optimizer step. With a pipeline they are evaluated at the backward starts where the most micro-batches are
+    in flight (pipe_states)."""
     stages = stage_ids(x, pp_rank)
     st = _states(x, stages)
     a = _acts(x)
@@ -242,6 +243,8 @@ def _peak(x: _Layout, pp_rank: int) -> _Peak:
         acts4 += a.stream
     moments.append(("block backward (first)", p4 + a.pcopy_layer, g4, acts4, other0 + a.d_stream + a.ffn_bwd + o4,
                     {}))
+    if fsdp and x.pp == 1:
+        moments.append(_root_reduce_scatter(x, st, cb, m, data, other0))
     # the optimizer step (AdamW temporaries); a pipeline's last stage holds the logits step() kept, if it keeps them
     moments.append(("optimizer step", 0, _with_buckets(st.grads_full, st.ddp_buckets),
                     m * a.logits if (has_head and x.pp > 1 and PP_KEEPS_OUTPUTS) else 0,
@@ -269,3 +272,33 @@ class _Peak:
     @property
     def total(self) -> int:
         return self.params + self.grads + self.optimizer + self.activations + self.other
+
+
+# torch 2.13 ProcessGroupGloo's reduce-scatter copies its whole input into a buffer of its own (allocated on the
+# backend's worker thread, split in two on the caller's) before it reduces; NCCL reduces from FSDP's input
+# buffer straight into the output, so on CUDA that copy does not exist.
+GLOO_COPIES_RS_INPUT = True
+
+
+def _root_reduce_scatter(x: _Layout, st: _States, cb: int, m: int, data: int, other0: int):
+    """The root unit's reduce-scatter at the end of every backward (FSDP2 runs the root's post_backward from
+    FSDPState._root_post_backward_final_callback, after every block's). foreach_reduce (torch 2.13
+    fsdp/_fully_shard/_fsdp_collectives.py) allocates the reduce-scatter input in reduce_dtype, fp32 here
+    (parallel/fsdp.py: MixedPrecisionPolicy(reduce_dtype=float32)), so the root's [V, D] embedding and head
+    gradients get an fp32 copy, padded to the whole unit; foreach_reduce_scatter_copy_in fills it while every
+    unsharded root gradient (compute dtype) is alive, then the list is cleared and the fp32 output shard is
+    allocated next to the input. Measured on CPU (vocab-zero3-dp2-bf16, memory.py) at the collective: input
+    + output + one [V/tp, D] compute-dtype gradient the autograd engine still holds (no Python reference; the
+    graph task ends after this callback) + gloo's own copy of the input (GLOO_COPIES_RS_INPUT). The previous
+    unit's reduce-scatter input is not alive: FSDPParamGroup.post_backward pops comm_ctx.reduce_scatter_states
+    down to reduce_scatter_max_input_buffers (1) before this reduce appends. On CUDA the estimator assumes the
+    same moment without gloo's copy (the held gradient is the engine's, not the backend's). Sharded gradients:
+    all of them after an earlier micro-step, else every block's but the root's (its output is the new one)."""
+    rs_in = 4 * (st.root_unit // cb)  # padded unsharded root numel, fp32
+    rs_out = 4 * st.root_stored
+    held = cb * (x.V // x.tp) * x.D
+    gloo = rs_in if (x.device == "cpu" and GLOO_COPIES_RS_INPUT) else 0
+    # copy-in (all unsharded root grads + input) or the collective (input + output + held grad + gloo's copy)
+    rs = rs_in + max(st.root_unit, rs_out + held + gloo)
+    grads = st.grads_full if m > 1 else st.grads_full - rs_out
+    return ("root reduce-scatter", 0, grads, data, other0 + rs, {"root_reduce_scatter": rs})
