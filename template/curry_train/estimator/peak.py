@@ -27,6 +27,9 @@ LOSS_IN_MODEL = True
 # parallel/ddp.py: gradient_as_bucket_view=True, so DDP's buckets (states.ddp_buckets, alive from the wrap on)
 # *are* the gradients of the parameters DDP manages; only parameters outside DDP (EP's expert shards) add grads
 DDP_GRADS_ARE_BUCKET_VIEWS = True
+# parallel/pipeline.py _split_backward_stage: under zero_bubble every FSDP unit of a stage is gathered
+# (FSDPModule.unshard, root first, then the blocks) before each input- and weight-gradient pass
+ZB_GATHERS_BEFORE_SPLIT_BACKWARD = True
 
 
 def _with_buckets(grads: int, buckets: int) -> int:
@@ -131,6 +134,22 @@ def _peak(x: _Layout, pp_rank: int) -> _Peak:
         own_kept = kept[ps.chunk]
         if ps.fwd and not any(kept):
             continue  # (only zero 3 keeps units a forward could sit next to)
+        if zero3 and x.pp > 1 and x.schedule == "zero_bubble" and ZB_GATHERS_BEFORE_SPLIT_BACKWARD and \
+                not own_kept and not ps.fwd:
+            # the I (or W) pass gathers the whole chunk before it computes: at the last unit's copy-out its flat
+            # all-gather output sits next to every unit (FSDPParamGroup.wait_for_unshard frees it after; the root
+            # is gathered first, so its own copy-out is the larger moment only for a root above the blocks)
+            c = ps.chunk
+            root_c = st.chunk_units[c] - lay[c] * st.unit_max
+            p_g, o_g = max((st.chunk_units[c], st.unit_max if lay[c] else root_c), (root_c, root_c), key=sum)
+            acts_g = head_acts if has_head and x.pp > 1 else acts + logits_alive
+            if ps.weight:  # W: the micro-batch's graph retained by its I, with its linears' output gradients
+                o_g += lay[c] * a.lin_out_grads + (a.grad_logits_all if c == head_chunk else 0)
+            moments.append(("units gathered (zero bubble)", pcopies + kept_other + p_g, grads_prev, acts_g,
+                            other0 + o_g, {}))
+            own_kept = True  # the pass then runs with every unit of the chunk gathered
+        if ps.weight:
+            continue
         if ps.fwd:
             # the end of this chunk's forward while other chunks' units are kept: its root and last block are
             # gathered, and FSDP2 holds that block's flat all-gather output until the next copy-out

@@ -4,7 +4,7 @@ torch.distributed.pipelining's 2.13 schedules) and the micro-batches in flight a
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from curry_train.estimator.layout import _Layout
@@ -105,14 +105,14 @@ class _PipeState:
     kept: tuple[bool, ...] = ()  # per local chunk: every FSDP unit still unsharded (zero 3; see _kept_units)
     own_grads: bool = True  # the starting chunk already holds gradients from an earlier backward
     fwd: bool = False  # not a backward start: the end of chunk's forward (held counts its micro-batch)
+    weight: bool = False  # not a backward start: a zero-bubble W whose chunk a forward resharded (held counts it)
 
 
 def pipe_states(x: _Layout, rank: int) -> list[_PipeState]:
     """The backward starts worth evaluating: the one with the most activations alive, the most with gradients
     already there, each for every pattern of chunks whose FSDP units torch keeps gathered (_kept_units), and
     (last stage) the last one, when every micro-batch's logits are kept. Also the fullest forward ends while
-    another chunk's units are kept (`fwd`).
-
+    another chunk's units are kept (`fwd`), and zero 3's fullest zero-bubble W starts that gather again (`weight`).
     A zero-bubble input-backward (I) keeps the graph, and so the activations, until its weight-backward (W)."""
     return _pipe_states(x.schedule, x.pp, x.v, x.m, rank, x.fsdp and x.zero == 3)
 
@@ -125,8 +125,7 @@ def _pipe_states(schedule: str, pp: int, v: int, m: int, rank: int, units: bool 
     states = _simulate_pipe(schedule, pp, v, m_sim, rank, units)
     if m_sim == m:
         return states
-    return [_PipeState(s_.held, s_.grads, m, s_.chunk, s_.kept, s_.own_grads, s_.fwd) if s_.head_fwds and i
-            else s_ for i, s_ in enumerate(states)]
+    return [replace(s_, head_fwds=m) if s_.head_fwds and i else s_ for i, s_ in enumerate(states)]
 
 
 def _simulate_pipe(schedule: str, pp: int, v: int, m: int, rank: int, units: bool) -> list[_PipeState]:
@@ -163,6 +162,11 @@ def _simulate_pipe(schedule: str, pp: int, v: int, m: int, rank: int, units: boo
                     fields = fields or (tuple(held), g, fwd_head, c, kept, has_grads[c], False)
                     best[slot] = (key, fields)
             last = (tuple(held), g, fwd_head, c, kept, has_grads[c])
+        if kind == "W" and units and schedule == "zero_bubble" and not kept >> c & 1:  # _split_backward_stage
+            key = (sum(held), n_grads / n_chunks)  # gathers the chunk again: the fullest such W start
+            prev = best.get(3 * top + kept)
+            if prev is None or key > prev[0]:
+                best[3 * top + kept] = (key, (tuple(held), key[1], fwd_head, c, kept, has_grads[c], False, True))
         if kind in ("B", "W"):
             held[c] -= 1
             if not has_grads[c]:
@@ -174,9 +178,9 @@ def _simulate_pipe(schedule: str, pp: int, v: int, m: int, rank: int, units: boo
     if not best:
         return [_PipeState(tuple(held), 0.0, fwd_head, 0, pattern(0))]
     out: list[_PipeState] = []
-    for ranking in range(3):  # most in flight, most gradients, forward ends; the overall fullest state first
+    for ranking in range(4):  # most in flight, most gradients, forward ends, W gathers; the fullest state first
         for _, f in sorted((v_ for k, v_ in best.items() if k // top == ranking), key=lambda q: q[0], reverse=True):
-            state = _PipeState(f[0], f[1], f[2], f[3], pattern(f[4]), f[5], f[6])
+            state = _PipeState(f[0], f[1], f[2], f[3], pattern(f[4]), *f[5:])
             if state not in out:
                 out.append(state)
     if head >= 0 and last is not None:
@@ -201,7 +205,10 @@ def _kept_units(x: _Layout, rank: int) -> list[tuple[str, int, int]]:
     every unit anyway. The multi-chunk runtime (interleaved 1F1B, zero bubble:
     `_PipelineScheduleRuntime._step_microbatches`) also runs `_add_unshard_reshard`'s UNSHARD / RESHARD:
     every unit of the next max_active_stages=3 distinct stages of this rank is gathered ahead of its action, the
-    others resharded (with v <= 3 chunks, all of them from the step's first action)."""
+    others resharded (with v <= 3 chunks, all of them from the step's first action). Zero bubble: the template's
+    split-backward stage (parallel/pipeline.py `_split_backward_stage`) gathers every unit of the chunk at the
+    start of each I and W pass (FSDPModule.unshard), so a W also leaves its chunk gathered; the masks are those
+    before that gather (estimator/peak.py puts the gather itself at the start of the pass)."""
     acts = _actions(x, rank)
     runtime = x.schedule in ("interleaved_1f1b", "zero_bubble") and x.pp > 1
     n_chunks = 1 + max(c for _, c in acts)
@@ -221,6 +228,7 @@ def _kept_units(x: _Layout, rank: int) -> list[tuple[str, int, int]]:
     out = []
     mask = sum(1 << ci for ci, k in enumerate(kept) if k)
     for i, (kind, c) in enumerate(acts):
+        zb_unshard = kind == "W" and x.schedule == "zero_bubble"
         if runtime:
             nxt = upcoming[i]
             for c2 in [c2 for c2 in active if c2 not in nxt]:  # RESHARD
@@ -234,8 +242,8 @@ def _kept_units(x: _Layout, rank: int) -> list[tuple[str, int, int]]:
         out.append((kind, c, mask))
         if kind == "F":
             kept[c] = False  # each unit resharded after its forward (zero 3)
-        elif kind in ("B", "I"):
-            kept[c] = True  # every unit left gathered by the backward
+        elif kind in ("B", "I") or zb_unshard:
+            kept[c] = True  # every unit left gathered by the backward (a zero-bubble W gathers them again)
         if kind in ("B", "W"):
             backwards[c] += 1
             if backwards[c] == x.m:  # perform_reduce_grad: reduce-scatter and reshard
@@ -259,7 +267,7 @@ class _PipeKey:
 
 def in_flight(x: _Layout, rank: int) -> tuple[list[int], int]:
     """(per local chunk: micro-batches held at the fullest backward start, their total)."""
-    s_ = max((q for q in pipe_states(x, rank) if not q.fwd), key=lambda q: sum(q.held))
+    s_ = max((q for q in pipe_states(x, rank) if not (q.fwd or q.weight)), key=lambda q: sum(q.held))
     return list(s_.held), sum(s_.held)
 
 
