@@ -65,6 +65,10 @@ MATRIX: dict[str, dict[str, Any]] = {
     "pp2-dp2-zero3-d256-zb": {"parallel.pp": 2, "parallel.dp": 2, "parallel.zero": 3, "train.micro_batch": 1,
                               "model.d_model": 256, "model.d_ff": 512, "parallel.pp_schedule": "zero_bubble",
                               "parallel.pp_virtual": 2},
+    # interleaved zero bubble (v = 3): W passes after a forward of their chunk, I's waiting for their W
+    "pp2-dp2-zero3-d256-zb-v3": {"parallel.pp": 2, "parallel.dp": 2, "parallel.zero": 3, "train.micro_batch": 1,
+                                 "model.d_model": 256, "model.d_ff": 512, "model.n_layers": 6,
+                                 "parallel.pp_schedule": "zero_bubble", "parallel.pp_virtual": 3},
     "pp2-dp2-zero2-d256": {"parallel.pp": 2, "parallel.dp": 2, "parallel.zero": 2, "train.micro_batch": 1,
                            "model.d_model": 256, "model.d_ff": 512},
     "cp2": {"parallel.cp": 2},

@@ -79,6 +79,7 @@ def _peak(x: _Layout, pp_rank: int) -> _Peak:
         recv = sum((m if s_ != 0 else 0) + (m if s_ != n_stages - 1 else 0) for s_ in stages) * a.stream
         detail["pp_recv_buffers"] = recv
         other0 += recv
+    other_base = other0
     tp_embed = 4 * (x.V - x.V // x.tp) * x.D if (x.tp > 1 and has_embed) else 0  # full-size embedding grad
     rec = a.layer_full - a.layer_saved if x.recompute != "none" else 0
     if x.recompute == "selective":
@@ -96,6 +97,10 @@ def _peak(x: _Layout, pp_rank: int) -> _Peak:
     moments: list[tuple[str, int, int, int, int, dict[str, int]]] = []  # phase, params+, grads, acts, other
     for ps in states:
         held = ps.held
+        # zero bubble: each I whose W has not run keeps its graph, with its linears' output gradients (and the
+        # head's logits gradient) for the W; the activations are in `held` already
+        other0 = other_base + sum(n * (lay[ci] * a.lin_out_grads + (a.grad_logits_all if ci == head_chunk else 0))
+                                  for ci, n in enumerate(ps.pending))
         k_total = sum(held)
         # forward-created tensors of every in-flight micro-batch
         acts = sum(k * (lay[ci] * a.layer_saved + a.rope) for ci, k in enumerate(held)) + data
@@ -143,8 +148,6 @@ def _peak(x: _Layout, pp_rank: int) -> _Peak:
             root_c = st.chunk_units[c] - lay[c] * st.unit_max
             p_g, o_g = max((st.chunk_units[c], st.unit_max if lay[c] else root_c), (root_c, root_c), key=sum)
             acts_g = head_acts if has_head and x.pp > 1 else acts + logits_alive
-            if ps.weight:  # W: the micro-batch's graph retained by its I, with its linears' output gradients
-                o_g += lay[c] * a.lin_out_grads + (a.grad_logits_all if c == head_chunk else 0)
             moments.append(("units gathered (zero bubble)", pcopies + kept_other + p_g, grads_prev, acts_g,
                             other0 + o_g, {}))
             own_kept = True  # the pass then runs with every unit of the chunk gathered
@@ -232,6 +235,7 @@ def _peak(x: _Layout, pp_rank: int) -> _Peak:
             moments.append(("ring attention backward", p3, g_attn, acts3 - a.ffn_saved - a.post_attn,
                             o3 + a.ring_bwd, {}))
 
+    other0 = other_base
     # the step's last block backward (first layer of the first chunk): gradients are nearly all there; with
     # full recompute or small batches this is where the peak is
     acc = m > 1 or x.pp > 1

@@ -106,6 +106,7 @@ class _PipeState:
     own_grads: bool = True  # the starting chunk already holds gradients from an earlier backward
     fwd: bool = False  # not a backward start: the end of chunk's forward (held counts its micro-batch)
     weight: bool = False  # not a backward start: a zero-bubble W whose chunk a forward resharded (held counts it)
+    pending: tuple[int, ...] = ()  # per local chunk: zero-bubble I's whose W has not run yet (this W's own included)
 
 
 def pipe_states(x: _Layout, rank: int) -> list[_PipeState]:
@@ -141,37 +142,38 @@ def _simulate_pipe(schedule: str, pp: int, v: int, m: int, rank: int, units: boo
     # the one with the most gradients, and the fullest forward end while another chunk is kept
     best: dict[int, tuple[tuple, tuple]] = {}  # ranking * 2**n_chunks + kept mask -> (key, the state's fields)
     last = None
+    pending = [0] * n_chunks  # I's awaiting their W: each keeps its graph and its linears' output gradients
     acts = _kept_units(x, rank) if units else [(k, c, 0) for k, c in _actions(x, rank)]  # type: ignore
     top = 1 << n_chunks
+
+    def fields(fwd: bool = False, weight: bool = False) -> tuple:  # the _PipeState fields now (kept: a mask)
+        return (tuple(held), n_grads / n_chunks, fwd_head, c, kept, has_grads[c], fwd, weight, tuple(pending))
+
+    def offer(slot: int, key: tuple, **kind_: bool) -> None:  # keep the fullest state per slot
+        if slot not in best or key > best[slot][0]:
+            best[slot] = (key, fields(**kind_))
+
     for kind, c, kept in acts:
         if kind == "F":
             held[c] += 1
             fwd_head += c == head
             if kept & ~(1 << c):  # (interleaved: the measured peak)
-                key = (sum(held), n_grads / n_chunks)
-                prev = best.get(2 * top + kept)
-                if prev is None or key > prev[0]:
-                    best[2 * top + kept] = (key, (tuple(held), key[1], fwd_head, c, kept, has_grads[c], True))
+                offer(2 * top + kept, (sum(held), n_grads / n_chunks), fwd=True)
             continue
         if kind in ("B", "I"):
-            total, g = sum(held), n_grads / n_chunks
-            fields = None
-            for slot, key in ((kept, (total, g)), (top + kept, (g, total))):
-                prev = best.get(slot)
-                if prev is None or key > prev[0]:
-                    fields = fields or (tuple(held), g, fwd_head, c, kept, has_grads[c], False)
-                    best[slot] = (key, fields)
-            last = (tuple(held), g, fwd_head, c, kept, has_grads[c])
+            offer(kept, (sum(held), n_grads / n_chunks))
+            offer(top + kept, (n_grads / n_chunks, sum(held)))
+            last = fields()
+            pending[c] += kind == "I"
         if kind == "W" and units and schedule == "zero_bubble" and not kept >> c & 1:  # _split_backward_stage
-            key = (sum(held), n_grads / n_chunks)  # gathers the chunk again: the fullest such W start
-            prev = best.get(3 * top + kept)
-            if prev is None or key > prev[0]:
-                best[3 * top + kept] = (key, (tuple(held), key[1], fwd_head, c, kept, has_grads[c], False, True))
+            offer(3 * top + kept, (sum(held), n_grads / n_chunks), weight=True)  # gathers the chunk again
         if kind in ("B", "W"):
             held[c] -= 1
+            pending[c] -= kind == "W" and pending[c] > 0
             if not has_grads[c]:
                 has_grads[c] = True
                 n_grads += 1
+
     def pattern(mask: int) -> tuple[bool, ...]:
         return tuple(bool(mask >> ci & 1) for ci in range(n_chunks))
 
@@ -184,8 +186,7 @@ def _simulate_pipe(schedule: str, pp: int, v: int, m: int, rank: int, units: boo
             if state not in out:
                 out.append(state)
     if head >= 0 and last is not None:
-        h, g, fh, c, kept, og = last
-        last_state = _PipeState(h, g, fh, c, pattern(kept), og)
+        last_state = _PipeState(*last[:4], pattern(last[4]), *last[5:])  # type: ignore[misc]
         if last_state not in out:
             out.append(last_state)
     return out
