@@ -160,3 +160,18 @@ def test_pipeline_step_follows_the_slowest_stage_with_the_head():
 def test_every_estimate_names_its_profile():
     e = estimate(load_any("tiny"))
     assert e.gpu_profile == e.hardware.name and e.hardware_note
+
+
+def test_the_chunked_loss_recomputes_the_head_forward_and_docs_quote_its_cost():
+    """model/gpt.py chunked_lm_loss reruns each chunk's head matmul in backward: +2VD FLOPs per token."""
+    from pathlib import Path
+
+    from curry_train.estimator.layout import hardware_flops_per_token
+
+    x = _layout(load_any("llama3-8b"))
+    assert hardware_flops_per_token(x) - hardware_flops_per_token(_replace(x, lc=1)) == 2.0 * x.V * x.D
+    one, auto = (estimate(load_any("llama3-8b", {"train.loss_chunks": k})).step_time for k in (1, 0))
+    text = " ".join((Path(__file__).parents[1] / "docs" / "ESTIMATION.md").read_text(encoding="utf-8").split())
+    quoted = (f"+{100 * (auto.total_s / one.total_s - 1):.1f}% of the step at the llama3-8b preset, "
+              f"{one.total_s:.1f} s → {auto.total_s:.1f} s, MFU {100 * one.mfu:.1f}% → {100 * auto.mfu:.1f}%")
+    assert quoted in text, quoted

@@ -85,6 +85,12 @@ def build_mesh(topo: Topology, device: str):
     return init_device_mesh(device, (topo.pp, topo.dp, topo.cp, topo.tp), mesh_dim_names=AXES)
 
 
+def expert_rank_grid(topo: Topology) -> torch.Tensor:
+    """Global ranks [pp, edp, ep, cp, tp]: build_mesh's row-major (pp, dp, cp, tp) order with dp unflattened into
+    (edp, ep), ep fastest, as ep_meshes does; for code that needs the layout without creating process groups."""
+    return torch.arange(topo.world_size).view(topo.pp, topo.dp // topo.ep, topo.ep, topo.cp, topo.tp)
+
+
 def dp_cp_mesh(mesh):
     """The 1-D mesh over which gradients are averaged: data-parallel ranks and context-parallel ranks together
     (CP ranks hold different tokens of the same sequences, so their gradients are summed like DP's)."""

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
-from curry_train.config import Config
+from curry_train.config import Config, loss_chunk_count
 from curry_train.pipeline_split import layers_per_stage
 
 GiB = 2**30
@@ -192,10 +192,13 @@ def flops_per_token(cfg: Config | _Layout) -> float:
 
 def hardware_flops_per_token(cfg: Config | _Layout) -> float:
     """FLOPs the kernels execute: causal attention does half the QK^T and PV work; full recompute reruns each
-    block's forward (+1/3 of the block FLOPs), selective reruns only the cheap element-wise ops."""
+    block's forward (+1/3 of the block FLOPs), selective reruns only the cheap element-wise ops; a chunked loss
+    reruns the LM head's forward in backward (model/gpt.py chunked_lm_loss: +2VD, +1/3 of the head FLOPs)."""
     x = cfg if isinstance(cfg, _Layout) else _layout(cfg)
     blocks = 6.0 * (active_params(x) - x.V * x.D) + 6.0 * x.L * x.H * x.Dh * x.s
     head = 6.0 * x.V * x.D
+    if loss_chunk_count(x.lc, x.b * (x.s // x.cp), x.V, x.D) > 1:
+        head += 2.0 * x.V * x.D
     if x.recompute == "full":
         blocks *= 4.0 / 3.0
     return blocks + head

@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 
 from curry_train.config import Config, ConfigError, Problem
+from curry_train.mesh import expert_rank_grid
 
 FORMAT_VERSION = 1
 META = "curry_meta.json"
@@ -138,9 +139,9 @@ def _expert_globaliser(par):
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
-    # rank = ((pp_i * dp + edp_i * ep + ep_i) * cp + cp_i) * tp + tp_i (mesh.py, ep fastest inside dp); edp_cp is
-    # edp-major, cp-minor like mesh.ep_meshes' flatten, so FSDP's shard index on it is this mesh's last coordinate.
-    ranks = torch.arange(t.world_size).view(t.pp, t.dp // t.ep, t.ep, t.cp, t.tp).permute(0, 4, 2, 1, 3)
+    # (pp, edp, ep, cp, tp) -> (pp, tp, ep, edp, cp): edp_cp is edp-major, cp-minor like mesh.ep_meshes' flatten,
+    # so FSDP's shard index on it is this mesh's last coordinate.
+    ranks = expert_rank_grid(t).permute(0, 4, 2, 1, 3)
     mesh = DeviceMesh(par.device.type, ranks.reshape(t.pp * t.tp, t.ep, -1), _init_backend=False,
                       mesh_dim_names=("pp_tp", "ep", "edp_cp"))
 

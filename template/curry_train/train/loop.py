@@ -3,8 +3,8 @@
     python -m curry_train.train.loop --config configs/tiny.yaml                              # one process
     torchrun --nproc-per-node 2 -m curry_train.train.loop --config configs/tiny.yaml --set parallel.dp=2
 
-Each step builds only this rank's micro-batches of the global batch (model/data.py), accumulates gradients (reducing only on
-the last micro-step), then steps the optimizer. Logs loss, step time and tokens/s per step as JSON lines on stderr
+Each step builds only this rank's micro-batches of the global batch (model/data.py), accumulates gradients
+(reducing only on the last micro-step), then steps the optimizer. Logs loss, step time and tokens/s per step as JSON lines on stderr
 (stdout stays free for callers such as the MCP server).
 """
 
