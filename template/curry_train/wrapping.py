@@ -1,0 +1,45 @@
+"""Which data-parallel wrapper and which mixed-precision path a layout gets: the one home of this rule.
+
+The template (parallel/parallelize.py), the estimator (estimator/layout.py and the terms built on it), the rules
+(rules.py) and the planted bugs (validation/inject.py) all ask these functions, so the rule cannot drift between
+what runs and what is modelled. Pure arithmetic over the degrees: no torch, importable by the torch-free estimator.
+
+The rule (docs/ARCHITECTURE.md, "One rung"): data parallelism runs over the flattened dp x cp group, because CP
+ranks hold different tokens of the same sequences and their gradients are averaged like dp's.
+- FSDP2 `fully_shard` when that group has more than one rank and ZeRO stage >= 2 (ZeRO-2: reshard_after_forward
+  False; ZeRO-3: True). Its MixedPrecisionPolicy computes in bf16 and reduces in fp32.
+- DDP otherwise when the group has more than one rank (ZeRO-0, and ZeRO-1, which adds ZeroRedundancyOptimizer).
+- No wrapper on a single data-parallel rank.
+bf16 on a layout FSDP does not wrap runs under `torch.autocast`.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+Wrapper = Literal["fsdp", "ddp", "none"]
+PrecisionPath = Literal["fp32", "mp", "autocast"]
+
+
+def dp_group_size(dp: int, cp: int) -> int:
+    """Ranks that average gradients (the flattened dp x cp group)."""
+    return dp * cp
+
+
+def data_parallel_wrapper(dp: int, cp: int, zero: int) -> Wrapper:
+    """fsdp | ddp | none for a layout's dp, cp degrees and ZeRO stage."""
+    if dp_group_size(dp, cp) <= 1:
+        return "none"
+    return "fsdp" if zero >= 2 else "ddp"
+
+
+def shards_optimizer_only(dp: int, cp: int, zero: int) -> bool:
+    """ZeRO-1: DDP plus ZeroRedundancyOptimizer (optimizer states sharded over dp x cp, params and grads not)."""
+    return zero == 1 and data_parallel_wrapper(dp, cp, zero) == "ddp"
+
+
+def precision_path(dtype: str, dp: int, cp: int, zero: int) -> PrecisionPath:
+    """fp32 | mp (FSDP's MixedPrecisionPolicy) | autocast (bf16 without FSDP)."""
+    if dtype == "float32":
+        return "fp32"
+    return "mp" if data_parallel_wrapper(dp, cp, zero) == "fsdp" else "autocast"
