@@ -21,7 +21,7 @@ ROOTS = {"curry_train": REPO / "template" / "curry_train", "curry_train_mcp": RE
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("contract", ("curry_train", "curry_train.config", "curry_train.rules", "curry_train.paths", "curry_train.mesh",
                   "curry_train.pipeline_split", "curry_train.compat", "curry_train.breakdown",
-                  "curry_train.layout_warnings")),
+                  "curry_train.layout_warnings", "curry_train.wrapping")),
     ("template", ("curry_train.model", "curry_train.parallel", "curry_train.train", "curry_train.validation")),
     ("estimator", ("curry_train.estimator",)),
     ("advice", ("curry_train.advice",)),
