@@ -44,7 +44,7 @@ def _refuse_unknown_arguments() -> None:
     tests/reliability/test_fuzz_tools.py). The schema says so too (additionalProperties: false). This reaches into
     the tool manager (mcp 2.3, no public hook for it); the reliability tests fail if that stops working.
     """
-    from pydantic import create_model, model_validator
+    from pydantic import ValidationError, create_model, model_validator
 
     for tool in mcp._tool_manager.list_tools():
         base = tool.fn_metadata.arg_model
@@ -56,9 +56,47 @@ def _refuse_unknown_arguments() -> None:
                                  "fix the spelling or drop them")
             return data
 
+        def plain(cls: type, data: Any, handler: Any) -> Any:
+            try:
+                return handler(data)
+            except ValidationError as e:
+                raise ValueError(plain_argument_errors(e)) from None
+
         tool.fn_metadata.arg_model = create_model(
-            base.__name__, __base__=base, __validators__={"_known_arguments": model_validator(mode="before")(check)})
+            base.__name__, __base__=base, __validators__={
+                "_known_arguments": model_validator(mode="before")(check),
+                "_plain_errors": model_validator(mode="wrap")(plain)})
         tool.parameters["additionalProperties"] = False
+
+
+# What to do about each kind of pydantic argument error, in the words of a user, not of pydantic's types.
+_FIXES = {
+    "int_parsing": "give a whole number", "int_type": "give a whole number", "int_from_float": "give a whole number", "int_parsing_size": "give a whole number below 2**63",
+    "float_parsing": "give a number", "float_type": "give a number", "finite_number": "give a finite number",
+    "bool_parsing": "pass true or false", "bool_type": "pass true or false",
+    "string_type": "pass a string", "dict_type": "pass an object of name: value", "list_type": "pass a list",
+    "missing": "pass it (it is required)", "literal_error": "use one of {expected}",
+    "greater_than_equal": "set it to at least {ge}", "greater_than": "set it above {gt}",
+    "less_than_equal": "set it to at most {le}", "less_than": "set it below {lt}",
+}
+
+
+def plain_argument_errors(error: Any) -> str:
+    """One line per refused argument: its name, what was wrong, and the fix (tools/list has the schema)."""
+    lines = []
+    for item in error.errors(include_url=False):
+        field = ".".join(str(p) for p in item.get("loc", ())) or "arguments"
+        if item["type"] == "value_error":  # our own validators' text already names the field and the fix
+            lines.append(item["msg"].removeprefix("Value error, "))
+            continue
+        ctx = {k: str(v) for k, v in (item.get("ctx") or {}).items()}
+        try:
+            fix = _FIXES[item["type"]].format(**ctx)
+        except (KeyError, IndexError):
+            fix = "fix it to match the tool's input schema (tools/list)"
+        got = "" if item["type"] == "missing" else f" (got {str(item.get('input'))[:60]!r})"
+        lines.append(f"{field}: {item['msg'].rstrip('.')}{got}; {fix}")
+    return "; ".join(lines)
 
 
 def _plain_descriptions() -> None:

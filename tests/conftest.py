@@ -6,8 +6,10 @@ from __future__ import annotations
 import atexit
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -63,3 +65,107 @@ def project(tmp_path: Path) -> Path:
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"
+
+
+# ------------------------------------------------------------------------------------------ tiers by construction
+#
+# `-m "not multirank and not slow"` is the inner loop (README, "Tests"). Nobody marks a launching test by hand:
+# at collection a test is `multirank` when its body, a fixture it uses, or a helper of the tests/ tree that either
+# calls (followed transitively by name) refers to a launcher below, and `slow` when it starts a subprocess. At run
+# time the in-process launchers refuse an unmarked test, so a launch the scan cannot see (a tool called by name
+# over an in-memory MCP client) fails loudly instead of slowing the fast tier: mark that test by hand.
+
+LAUNCHERS = frozenset({
+    "launch_forkserver", "whitebox_batch", "rank_jobs", "run_torchrun", "start_torchrun", "run_whitebox",
+    "run_worker", "_long",
+})
+ARGV_LAUNCHERS = frozenset({"torchrun", "torch.distributed.run"})
+SUBPROCESS = frozenset({"subprocess", "Popen", "stdio_client", "StdioServerParameters", "open_process", "RawServer"})
+
+
+def _code_names(code: Any, out: set[str]) -> None:
+    out.update(code.co_names)
+    out.update(c for c in code.co_consts if c in ARGV_LAUNCHERS)  # "torchrun" in an argv list
+    for c in code.co_consts:
+        if hasattr(c, "co_names"):
+            _code_names(c, out)
+
+
+def _names_reached(fn: Any, seen: set[int]) -> set[str]:
+    """Names referred to by fn and, transitively, by the tests/ helpers it names (module-level functions and
+    classes of the tests tree, looked up in fn's globals)."""
+    fn = getattr(fn, "__wrapped__", fn)
+    code = getattr(fn, "__code__", None)
+    if code is None or id(code) in seen:
+        return set()
+    seen.add(id(code))
+    names: set[str] = set()
+    _code_names(code, names)
+    reached = set(names)
+    glb = getattr(fn, "__globals__", {})
+    for n in names:
+        obj = glb.get(n)
+        mod = getattr(obj, "__module__", "") or ""
+        if obj is None or not (mod.startswith("tests") or mod in _TEST_MODULES):
+            continue
+        members = [obj] if callable(obj) and hasattr(obj, "__code__") else list(vars(obj).values()) \
+            if isinstance(obj, type) else []
+        for m in members:
+            reached |= _names_reached(m, seen)
+    return reached
+
+
+_TEST_MODULES: set[str] = set()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    _TEST_MODULES.update(m for m, mod in sys.modules.items()
+                         if str(getattr(mod, "__file__", "") or "").startswith(str(REPO / "tests")))
+    for item in items:
+        fn = getattr(item, "function", None)
+        if fn is None:
+            continue
+        seen: set[int] = set()
+        names = _names_reached(fn, seen)
+        for defs in item._fixtureinfo.name2fixturedefs.values():
+            for d in defs:
+                names |= _names_reached(d.func, seen)
+        if names & LAUNCHERS and not item.get_closest_marker("multirank"):
+            item.add_marker(pytest.mark.multirank)
+        if names & SUBPROCESS and not item.get_closest_marker("slow"):
+            item.add_marker(pytest.mark.slow)
+
+
+class UnmarkedLaunch(RuntimeError):
+    """A test the collection hook did not mark `multirank` launched ranks in this process."""
+
+
+@pytest.fixture(autouse=True)
+def _launches_only_when_marked(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Any:
+    if request.node.get_closest_marker("multirank"):
+        yield
+        return
+    import curry_train.train.launch as launch
+
+    refused: list[str] = []
+
+    def refuse(*_a: Any, **_k: Any) -> None:
+        refused.append(request.node.nodeid)
+        raise UnmarkedLaunch(f"{request.node.nodeid} launches ranks but is not marked multirank: the collection hook "
+                             "(tests/conftest.py, LAUNCHERS) cannot see this launch, so mark the test by hand")
+
+    async def refuse_async(*_a: Any, **_k: Any) -> None:
+        refuse()
+
+    # Only the real launchers are guarded: a stand-in a wider-scoped fixture put there (the fuzz tests' fake
+    # worker) launches nothing and stays.
+    for name in ("launch_forkserver", "start_torchrun"):
+        if getattr(getattr(launch, name), "__module__", "") == launch.__name__:
+            monkeypatch.setattr(launch, name, refuse)
+    app = sys.modules.get("curry_train_mcp.app")  # the MCP server's long tools start a worker, which starts torchrun
+    if app is not None and getattr(app.run_worker, "__module__", "") == "curry_train_mcp.jobs":
+        monkeypatch.setattr(app, "run_worker", refuse_async)
+    yield
+    if refused:  # also when the tool under test caught the refusal and answered with an error
+        pytest.fail(f"{refused[0]} launches ranks but is not marked multirank (tests/conftest.py, LAUNCHERS): "
+                    "mark it by hand", pytrace=False)

@@ -205,15 +205,28 @@ def test_bad_arguments_are_refused_before_anything_runs(project, fake_runs, tmp_
     assert fake_runs.calls["bench"] == []
 
 
-@pytest.mark.slow
-@pytest.mark.multirank
-def test_the_readme_climb_runs_for_real_and_fits_in_at_least_three_rungs(project):
+def _readme_climb(project: Path) -> dict:
+    """The README's command 1 as JSON. CI has run it already (.ci/run, command 1 with --json into the file named by
+    CURRY_README_CLIMB_JSON), so the suite checks that run instead of climbing a second time; elsewhere the climb
+    runs here when CURRY_TEST_FULL=1 (the nightly tier), and the test skips otherwise."""
+    done = os.environ.get("CURRY_README_CLIMB_JSON")
+    if done:
+        return json.loads(Path(done).read_text(encoding="utf-8"))
+    if os.environ.get("CURRY_TEST_FULL") != "1":
+        pytest.skip("the README climb runs as CI's command 1 (CURRY_README_CLIMB_JSON); CURRY_TEST_FULL=1 runs it here")
     r = subprocess.run([sys.executable, "-m", "curry_train.cli", "climb", "--config", "configs/tiny.yaml",
                         "--memory-budget", str(climb_mod.README_BUDGET), "--root", str(project), "--json"],
                        capture_output=True, text=True, timeout=900, cwd=project, check=False)
     assert r.returncode == 0, r.stderr[-3000:]
-    out = json.loads(r.stdout)
+    return json.loads(r.stdout)
+
+
+@pytest.mark.slow
+@pytest.mark.multirank
+def test_the_readme_climb_runs_for_real_and_fits_in_at_least_three_rungs(project):
+    out = _readme_climb(project)
     assert out["fits"] and len(out["rungs"]) >= 4  # baseline + at least three primitives
+    assert out["memory_budget_bytes"] == climb_mod.README_BUDGET  # the README's command, not another climb
     assert all(g["parity"] in ("ref", "passed") for g in out["rungs"])
     rungs = out["rungs"]  # one training run: rung k resumed rung k-1's checkpoint, at the step it reached
     assert all(g["resumed_from"] == p["checkpoint"] and g["start_step"] == p["start_step"] + len(p["losses"])

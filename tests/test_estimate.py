@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 
 import pytest
 from curry_train.config import from_dict
@@ -137,12 +136,10 @@ def test_a_probe_overrides_the_profile():
     assert e.hardware.efficiency == 0.3
 
 
-def test_every_preset_validates_and_estimates_in_milliseconds():
+def test_every_preset_validates_and_estimates():  # its speed: benchmarks/planner_speed.py
     for name in ("llama3-8b", "llama3-70b", "llama3-405b", "gpt3-175b", "mixtral-8x7b"):
         cfg = load_any(name)
-        t0 = time.perf_counter()
         e = estimate(cfg)
-        assert time.perf_counter() - t0 < 0.2, name
         assert e.memory.total > 0 and e.step_time.total_s > 0
     assert 4.0e11 < param_count(load_any("llama3-405b")) < 4.1e11
     assert 1.74e11 < param_count(load_any("gpt3-175b")) < 1.76e11

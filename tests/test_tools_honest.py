@@ -9,7 +9,6 @@ Nothing here launches ranks: a refusal comes before any launch, and the other ch
 from __future__ import annotations
 
 import json
-import time
 from typing import Any
 
 import pytest
@@ -46,13 +45,12 @@ async def _tools() -> dict[str, Any]:
 
 @pytest.mark.anyio
 @pytest.mark.parametrize("tool,args", [("bench", {}), ("whitebox_compare", {}), ("capacity_sweep", {"measured": True})])
-async def test_a_cluster_preset_is_refused_within_two_seconds_with_what_to_call_instead(project, tool, args):
+async def test_a_cluster_preset_is_refused_before_any_launch_with_what_to_call_instead(project, tool, args):
+    # no worker is started: tests/conftest.py makes any launch from an unmarked test fail it
     async with Client(mcp, mode="legacy") as c:
-        t0 = time.perf_counter()
         r = await c.call_tool(tool, {"config": "llama3-8b", "overrides": {"parallel.dp": 2}, **args})
-        elapsed = time.perf_counter() - t0
     text = _text(r)
-    assert r.is_error and elapsed < 2.0, (elapsed, text)
+    assert r.is_error, text
     assert "cluster preset" in text and "estimate_memory" in text and "plan" in text and "update_config" in text
     assert "this machine has" in text and "CPU cores" in text  # what this machine has
     assert Ledger(project).list() == []  # nothing recorded, nothing launched
@@ -159,14 +157,10 @@ async def test_every_output_schema_field_has_a_type():
 @pytest.mark.anyio
 async def test_probe_without_measuring_is_fast_cached_and_about_this_machine():
     async with Client(mcp, mode="legacy") as c:
-        t0 = time.perf_counter()
         r = await c.call_tool("probe_hardware", {})
-        first = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        await c.call_tool("probe_hardware", {"measure": False})
-        second = time.perf_counter() - t0
+        again = await c.call_tool("probe_hardware", {"measure": False})
     out = r.structured_content
-    assert not r.is_error and first < 2.0 and second < 0.5, (first, second)
+    assert not r.is_error and again.structured_content == out  # no measurement: nothing launched (conftest guard)
     assert out["torch_version"] and "gloo" in out["backends"] and out["cpu_count"] >= 1
     assert "plan" in out["about"] and "estimate_memory" in out["about"]
 

@@ -125,3 +125,17 @@ def test_an_eps_sized_gradients_update_may_differ_by_a_sign_flip_and_no_other_el
     assert not compare(cfg, *_adam_step(1e-3, 0, 0.1 * lr), 1).passed  # the same on an ordinary element
     assert not compare(cfg, *_adam_step(1e-8, 0, 2.5 * lr), 1).passed  # more than a sign flip
     assert not compare(cfg, *_adam_step(1e-8, 1, 0.1 * lr), 1).passed  # the free element excuses no other
+
+
+def test_layouts_of_one_model_share_one_reference_and_no_layout_leaks_into_it():
+    from curry_train.validation import whitebox as wb
+
+    dp2 = load_config(TINY, {"parallel.dp": 2, "parallel.zero": 3})
+    tp2 = load_config(TINY, {"parallel.tp": 2, "parallel.sp": True})
+    shared = wb.single_device_reference(dp2, 1)
+    assert wb.single_device_reference(tp2, 1) is shared  # memoised: one reference for both layouts
+    assert wb.single_device_reference(load_config(TINY, {"train.seed": 7}), 1) is not shared  # another model
+    assert wb.single_device_reference(dp2, 2) is not shared  # another horizon
+    fresh = wb.reference(load_config(TINY), 1)  # the uncached reference of the one-device config
+    assert fresh["losses"] == shared["losses"]
+    assert all(torch.equal(fresh["grads"][0][k], g) for k, g in shared["grads"][0].items())

@@ -196,8 +196,9 @@ DEFECTS = {
 }
 
 
-def with_defect(tool: str, args: dict[str, Any], pick: int) -> dict[str, Any]:
+def with_defect(tool: str, args: dict[str, Any], pick: int) -> tuple[dict[str, Any], str]:
+    """(args with one defect, the argument the refusal must name)."""
     key, value = DEFECTS[tool][pick % len(DEFECTS[tool])]
     if tool == "capacity_sweep" and args.get("measured") is True:
         args = {**args, "measured": False}
-    return {**args, key: value}
+    return {**args, key: value}, key

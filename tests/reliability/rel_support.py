@@ -17,9 +17,10 @@ REPO = Path(__file__).resolve().parents[2]
 SERVER = [sys.executable, "-m", "curry_train.cli", "mcp"]  # what `curry-train mcp` runs
 
 # An error must say what to do, not only that something failed.
+# A fix is a verb or a bound the reader can act on, as a whole word: "invalid" or "a list" say no fix.
 ACTIONABLE = re.compile(
-    r"should|must|fix|use |pass |available|known|allowed|retry|required|pick|e\.g\.|list |expected|"
-    r"at least|at most|one of|greater|less|valid|call again|larger|fewer|read the", re.IGNORECASE)
+    r"\b(should|must|fix|use|pass|give|set|available|known|allow(?:ed|s)?|retry|required|pick|choose|e\.g\.|expected|"
+    r"at least \S+|at most \S+|one of|greater|less|call again|larger|fewer|read the)\b", re.IGNORECASE)
 
 
 def server_env(project: Path, **extra: str) -> dict[str, str]:

@@ -23,6 +23,7 @@ the compute, not for four cold torch imports on a loaded 2-core machine.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import time
 from collections.abc import Iterator
@@ -258,9 +259,28 @@ def run_whitebox(cfg: Config, *, steps: int = 2, run_dir: Path, timeout: float =
     return verdict
 
 
+_REFERENCES: dict[str, dict[str, Any]] = {}  # insertion-ordered: the oldest is dropped first
+_MAX_REFERENCES = 16  # a tiny model's reference is a few MB; a test batch shares at most a handful
+
+
+def single_device_reference(cfg: Config, steps: int) -> dict[str, Any]:
+    """`reference` of the config with its parallel section reset to one device, memoised per process.
+
+    The reference runs on one device, so it depends on the model, train, data and hardware sections only; it is
+    run on the config with `parallel` at its defaults, so that two layouts of one model share it by construction
+    (eight 2-rank TP layouts of tiny compare against one reference) and a layout cannot leak into it."""
+    single = from_dict({**cfg.to_dict(), "parallel": {}}, validate=False)
+    key = json.dumps([single.to_dict(), steps], sort_keys=True, default=str)
+    if key not in _REFERENCES:
+        while len(_REFERENCES) >= _MAX_REFERENCES:
+            _REFERENCES.pop(next(iter(_REFERENCES)))
+        _REFERENCES[key] = reference(single, steps)
+    return _REFERENCES[key]
+
+
 def compare_saved(cfg: Config, path: Path, steps: int) -> Verdict:
     par = torch.load(path, weights_only=False)
-    return compare(cfg, reference(cfg, steps), par, steps)
+    return compare(cfg, single_device_reference(cfg, steps), par, steps)
 
 
 def whitebox_batch(cfgs: list[Config], *, steps: int = 2, out_dir: Path, timeout: float = 300.0,
