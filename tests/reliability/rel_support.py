@@ -20,7 +20,7 @@ SERVER = [sys.executable, "-m", "curry_train.cli", "mcp"]  # what `curry-train m
 # A fix is a verb or a bound the reader can act on, as a whole word: "invalid" or "a list" say no fix.
 ACTIONABLE = re.compile(
     r"\b(should|must|fix|use|pass|give|set|available|known|allow(?:ed|s)?|retry|required|pick|choose|e\.g\.|expected|"
-    r"at least \S+|at most \S+|one of|greater|less|call again|larger|fewer|read the)\b", re.IGNORECASE)
+    r"at least \S+|at most \S+|list \S+ with|one of|greater|less|call again|larger|fewer|read the)\b", re.IGNORECASE)
 
 
 def server_env(project: Path, **extra: str) -> dict[str, str]:
