@@ -129,7 +129,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         names = _names_reached(fn, seen)
         for defs in item._fixtureinfo.name2fixturedefs.values():
             for d in defs:
-                names |= _names_reached(d.func, seen)
+                if d.func is not _GUARD:  # the guard names the launchers to refuse them; it launches nothing
+                    names |= _names_reached(d.func, seen)
         if names & LAUNCHERS and not item.get_closest_marker("multirank"):
             item.add_marker(pytest.mark.multirank)
         if names & SUBPROCESS and not item.get_closest_marker("slow"):
@@ -169,3 +170,6 @@ def _launches_only_when_marked(request: pytest.FixtureRequest, monkeypatch: pyte
     if refused:  # also when the tool under test caught the refusal and answered with an error
         pytest.fail(f"{refused[0]} launches ranks but is not marked multirank (tests/conftest.py, LAUNCHERS): "
                     "mark it by hand", pytrace=False)
+
+
+_GUARD = getattr(_launches_only_when_marked, "__wrapped__", _launches_only_when_marked)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from curry_train.config import load_config
 from curry_train.model.data import cp_positions, global_batch, micro_batches
@@ -45,6 +46,7 @@ def test_context_parallel_positions_pair_a_head_and_a_tail_chunk():
     assert sorted(torch.cat(pos).tolist()) == list(range(64))
 
 
+@pytest.mark.slow  # a 50-step run / a float64 gradcheck: seconds, kept out of the inner loop
 def test_tiny_loss_falls_over_50_steps():
     from curry_train.train.loop import setup, train_step
 

@@ -83,6 +83,7 @@ def test_moe_forward_and_backward_equal_a_per_token_loop(cf):
         torch.testing.assert_close(a, b, atol=1e-12, rtol=0)
 
 
+@pytest.mark.slow  # a 50-step run / a float64 gradcheck: seconds, kept out of the inner loop
 def test_moe_passes_gradcheck():
     moe = _moe(capacity_factor=1.0, aux_loss_coef=0.1, z_loss_coef=0.01)
     x = torch.randn(1, 6, 16, dtype=torch.float64, requires_grad=True)
