@@ -57,6 +57,7 @@ def test_cli_sweep_json(capsys):
     assert [r["rung"] for r in out["rungs"]] == ["single"] and out["mode"] == "estimate"
 
 
+@pytest.mark.multirank  # the measured sweep launches torchrun from inside the product code
 @pytest.mark.slow
 def test_measured_mode_binary_searches_with_real_runs():
     s = capacity_sweep("tiny", {"hardware.gpu_memory_gib": 0.01}, measured=True, rungs=["single"],
