@@ -360,7 +360,7 @@ def measure_memory(cfg: Config, steps: int = 2) -> MemoryReport:
     """Build this rank's parallel model, warm up steps - 1 steps, and measure the last one (all ranks call it)."""
     import torch.distributed as dist
 
-    from curry_train.train.loop import forward_backward, init_distributed, setup, train_step
+    from curry_train.train.loop import init_distributed, setup, train_step
 
     if steps < 2:
         raise ValueError("steps must be >= 2: the optimizer state is created by the first step")
@@ -379,10 +379,7 @@ def measure_memory(cfg: Config, steps: int = 2) -> MemoryReport:
         torch.cuda.reset_peak_memory_stats(device)
         start = torch.cuda.memory_allocated(device)
     with StepMemoryTracker(par) as tracker:
-        forward_backward(par, steps - 1)
-        tracker.in_optimizer = True
-        par.optimizer.step()
-        par.zero_grad()
+        train_step(par, steps - 1, after_backward=lambda loss: setattr(tracker, "in_optimizer", True))
         tracker.in_optimizer = False
     extra = {}
     if cuda:

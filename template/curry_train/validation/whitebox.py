@@ -143,12 +143,13 @@ def replica_copies(local: dict[str, torch.Tensor]) -> tuple[dict[int, dict[str, 
 
 
 def parallel_job(spec: dict[str, Any]) -> dict[str, Any]:
-    """Rank side: train `steps` steps (with the planted bug, if any), gathering grads after each backward and
-    every rank's params after each update."""
+    """Rank side: `steps` steps of the real training step (train.loop.train_step: zero-grad, micro-batches, clip,
+    lr schedule, update), with the planted bug if any; its `after_backward` hook gathers the gradients before the
+    update, and every rank's parameters are gathered after it."""
     import torch.distributed as dist
 
     from curry_train.mesh import device_type
-    from curry_train.train.loop import forward_backward, init_distributed, setup
+    from curry_train.train.loop import init_distributed, setup, train_step
     from curry_train.validation.plant import planted
 
     cfg = from_dict(spec["config"])
@@ -157,11 +158,12 @@ def parallel_job(spec: dict[str, Any]) -> dict[str, Any]:
         par = setup(cfg, device, model_hook=bug.model_hook)
         bug.after_setup(par)
         losses, grads, params, replicas, holders = [], [], [], [], []
-        for step in range(spec.get("steps", 2)):
-            losses.append(float(forward_backward(par, step)))
+
+        def read_grads(loss: torch.Tensor) -> None:  # reads only: the step goes on with the same gradients
             grads.append(gather_full(par, "grad"))
-            par.optimizer.step()
-            par.optimizer.zero_grad(set_to_none=True)
+
+        for step in range(spec.get("steps", 2)):
+            losses.append(train_step(par, step, after_backward=read_grads).loss)
             local = _local_full(par, "param")  # after every update: the first wrong step is the one named
             params.append(_merge_on_rank0(par, local))
             copies, held = replica_copies(local)
@@ -179,11 +181,12 @@ def parallel_job(spec: dict[str, Any]) -> dict[str, Any]:
 
 def reference(cfg: Config, steps: int) -> dict[str, Any]:
     """The single-device reference: same seed, the step's global batch in order in micro-batches of
-    train.micro_batch sequences (full length), fp32, plain AdamW. On CUDA: one GPU, TF32 off, deterministic."""
+    train.micro_batch sequences (full length), fp32, plain AdamW, updated by the ranks' own optimizer step
+    (train/optim.py optimizer_step: the same clip and lr schedule). On CUDA: one GPU, TF32 off, deterministic."""
     from curry_train.mesh import device_type
     from curry_train.model.data import global_batch
     from curry_train.model.gpt import aux_loss, build_model, lm_loss
-    from curry_train.train.optim import install
+    from curry_train.train.optim import optimizer_step
 
     dev = device_type(cfg)
     device = torch.device("cuda", 0) if dev == "cuda" else torch.device("cpu")
@@ -195,9 +198,9 @@ def reference(cfg: Config, steps: int) -> dict[str, Any]:
         model = build_model(ref_cfg).to(device)
         before = {k: p.detach().cpu().clone() for k, p in model.named_parameters()}
         opt = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
-        install(opt, cfg, [model])  # the same lr schedule and grad clip as the ranks (train/optim.py)
         losses, grads, params = [], [], []
         for step in range(steps):
+            opt.zero_grad(set_to_none=True)
             inputs, targets = global_batch(cfg, step)  # [global_batch, T]: every sequence of the step
             k = inputs.shape[0] // mb  # micro-batches of mb sequences, in order
             total = 0.0
@@ -209,8 +212,7 @@ def reference(cfg: Config, steps: int) -> dict[str, Any]:
                 total += loss.item() / k
             losses.append(total)
             grads.append({n: p.grad.detach().float().cpu().clone() for n, p in model.named_parameters()})
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+            optimizer_step(opt, [model], ref_cfg, step)
             params.append({n: p.detach().cpu().clone() for n, p in model.named_parameters()})
     return {"losses": losses, "grads": grads, "params": params, "params_before": before}
 
