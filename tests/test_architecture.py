@@ -3,12 +3,16 @@
     .venv/bin/pytest tests/test_architecture.py -q
 
 The graph is built from the source with `ast` (nothing is imported), counting every import, including the ones
-inside functions: a lazy import still ties two modules together. docs/ARCHITECTURE.md draws the same layers.
+inside functions: a lazy import still ties two modules together. A module named in a string counts too: an
+`importlib.import_module("pkg.mod")` argument, a "pkg.mod:func" entry point, a `-m pkg.mod` command line, since each
+loads that module at run time just as an import does (docstrings excepted: they describe, they do not load).
+docs/ARCHITECTURE.md draws the same layers.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -60,6 +64,30 @@ def _is_type_checking(test: ast.expr) -> bool:
         isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
+# A string that loads a module: a dotted name of one of the roots, alone or as "module:function", or after "-m ".
+_NAME = r"((?:" + "|".join(ROOTS) + r")(?:\.\w+)+)"
+_MODULE_STRING = re.compile(rf"^{_NAME}(?::\w+)?$|-m\s+{_NAME}(?=$|\s)")
+
+
+def _docstrings(tree: ast.Module) -> set[int]:
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+                out.add(id(first.value))
+    return out
+
+
+def string_imports(source: str) -> set[str]:
+    """Dotted module names that the source's string constants load (not its docstrings)."""
+    tree = ast.parse(source)
+    docs = _docstrings(tree)
+    return {m.group(1) or m.group(2) for node in ast.walk(tree)
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docs
+            for m in _MODULE_STRING.finditer(node.value.strip())}
+
+
 def _imports(mod: str, path: Path) -> set[str]:
     is_pkg = path.name == "__init__.py"
     package = mod if is_pkg else mod.rpartition(".")[0]
@@ -85,6 +113,10 @@ def _imports(mod: str, path: Path) -> set[str]:
             r = _resolve(t)
             if r and r != mod:
                 out.add(r)
+    for t in string_imports(path.read_text(encoding="utf-8")):
+        r = _resolve(t)
+        if r and r != mod:
+            out.add(r)
     return out
 
 
@@ -141,6 +173,22 @@ def test_the_graph_sees_the_known_edges():
     assert "curry_train.parallel.parallelize" in GRAPH["curry_train.train.loop"]
     assert any(m.startswith("curry_train_mcp.") for m in MODULES)
     assert sum(len(v) for v in GRAPH.values()) > 150
+    # edges held only in strings: the torchrun command line and the template's own job registry
+    assert "curry_train.train.rank_main" in GRAPH["curry_train.train.launch"]
+    assert "curry_train.validation.whitebox" in GRAPH["curry_train.train.jobs"]
+
+
+def test_strings_that_load_a_module_count_as_imports():
+    src = '''"""Docstring: run python -m curry_train.cli, see curry_train.measure.bench:bench_job."""
+import importlib
+a = importlib.import_module("curry_train.measure.bench")
+b = "curry_train.measure.memory:memory_job"
+c = [sys.executable, "-m", "curry_train.train.rank_main", path]
+d = "python -m curry_train.advice.sweep --json"
+e = "curry_train.estimator is mentioned in a sentence, which loads nothing"
+'''
+    assert string_imports(src) == {"curry_train.measure.bench", "curry_train.measure.memory",
+                                   "curry_train.train.rank_main", "curry_train.advice.sweep"}
 
 
 def test_no_import_cycle_anywhere():

@@ -67,7 +67,8 @@ def setup(cfg: Config, device: torch.device | None = None, *, model_hook=None) -
             raise ValueError(problem)
         if rank() == 0:
             print(problem, file=sys.stderr)
-    mesh = build_mesh(topo, device.type) if world > 1 else None
+    mesh = build_mesh(topo, device.type, dp_replicate=cfg.parallel.dp_replicate,
+                      experts=cfg.model.num_experts > 0) if world > 1 else None
     model = build_meta_model(cfg)
     if model_hook is not None:
         model_hook(model)
