@@ -120,6 +120,6 @@ def test_bf16_autocast_weight_casts_are_parameter_copies(one_thread):
 
 def test_a_memory_spec_names_its_job_and_the_template_registry_holds_only_template_jobs():
     assert job_function(memory_spec(load_config(TINY))) == "curry_train.measure.memory:memory_job"
-    assert sorted(JOBS) == ["selftest", "train", "whitebox"]  # measure's jobs are named by measure (no upward name)
+    assert sorted(JOBS) == ["selftest", "train"]  # every other job is named by its owner (no upward name)
     with pytest.raises(ValueError, match="unknown job kind"):
         job_function({"kind": "memory"})

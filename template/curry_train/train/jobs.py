@@ -4,9 +4,10 @@ A job spec is a JSON-able dict: {"kind": <name>, "config": <resolved config dict
 "out_dir": <run folder>}, plus "job": "module:function" when the job lives above this layer. `rank_job` calls
 function(spec) and returns its JSON-able value; files (tensors) go under spec["out_dir"].
 
-Each layer names its own jobs: JOBS below holds this layer's (training, the white-box ranks, the launcher
-self-test); a job of a higher layer is named by the module that owns it, in the spec it builds
-(measure/bench.py `BENCH_JOB`, measure/memory.py `MEMORY_JOB` and `memory_spec`), so nothing here points up.
+Each job is named by the module that owns it: JOBS below holds this module's own (training, the launcher
+self-test); any other job's spec carries its "job", set by its owner (validation/whitebox.py `WHITEBOX_JOB`,
+measure/bench.py `BENCH_JOB`, measure/memory.py `MEMORY_JOB` and `memory_spec`), so nothing here names a module
+of another layer (tests/test_architecture.py counts such strings as imports).
 """
 
 from __future__ import annotations
@@ -14,11 +15,10 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-# kind -> "module:function(spec) -> JSON-able value", for the jobs of the template layer.
+# kind -> "module:function(spec) -> JSON-able value", for the jobs defined here.
 JOBS = {
-    "train": "curry_train.train.jobs:train_job",
-    "whitebox": "curry_train.validation.whitebox:parallel_job",
-    "selftest": "curry_train.train.jobs:selftest_job",
+    "train": f"{__name__}:train_job",
+    "selftest": f"{__name__}:selftest_job",
 }
 
 

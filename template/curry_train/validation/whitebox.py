@@ -142,6 +142,9 @@ def replica_copies(local: dict[str, torch.Tensor]) -> tuple[dict[int, dict[str, 
     return {r: d for r, d in enumerate(got) if d}, holders
 
 
+WHITEBOX_JOB = f"{__name__}:parallel_job"  # the rank-side job of a white-box spec (train/jobs.py resolves it)
+
+
 def parallel_job(spec: dict[str, Any]) -> dict[str, Any]:
     """Rank side: `steps` steps of the real training step (train.loop.train_step: zero-grad, micro-batches, clip,
     lr schedule, update), with the planted bug if any; its `after_backward` hook gathers the gradients before the
@@ -236,7 +239,7 @@ def _spec(cfg: Config, steps: int, tag: str, inject: str | None, target: str | N
         from curry_train.validation.inject import check
 
         check(inject, cfg)  # unknown name or wrong layout: refused before anything starts
-    return {"kind": "whitebox", "config": cfg.to_dict(), "steps": steps, "tag": tag, "inject": inject,
+    return {"kind": "whitebox", "job": WHITEBOX_JOB, "config": cfg.to_dict(), "steps": steps, "tag": tag, "inject": inject,
             "inject_target": target}
 
 
