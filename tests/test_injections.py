@@ -84,7 +84,7 @@ def test_the_catalogue_lists_every_name_with_family_and_layout(capsys):
 
 
 @pytest.mark.parametrize(("args", "says"), [
-    (["--inject", "nope"], "valid names: ddp-unreduced-grad, zero1-no-weight-decay"),
+    (["--inject", "nope"], "use one of ddp-unreduced-grad, zero1-no-weight-decay"),
     (["--set", "parallel.dp=2", "--inject", "ep-expert-unreduced"], "this model is dense"),
     (["--inject", "hsdp-no-replica-allreduce", "--set", "parallel.dp=2"], "parallel.dp_replicate"),
     (["--inject", "hsdp-no-replica-allreduce", "--set", "parallel.dp=4", "--set", "parallel.zero=3"],

@@ -169,7 +169,7 @@ CATALOGUE: dict[str, Injection] = {i.name: i for i in (
 def check(name: str, cfg: Config) -> Injection:
     """The catalogue entry for `name` if it can apply to `cfg`; raises InjectionError saying why not."""
     if name not in CATALOGUE:
-        raise InjectionError(f"unknown injection {name!r}; valid names: {', '.join(CATALOGUE)} "
+        raise InjectionError(f"unknown injection {name!r}: use one of {', '.join(CATALOGUE)} "
                              "(--list-injections describes them)")
     inj = CATALOGUE[name]
     why = inj.needs(cfg)

@@ -6,8 +6,11 @@
 Reference (one process, independent of the parallel code): the full model from the same seed, plain AdamW, and
 the step's global batch taken from the data source as one device would: all its sequences in order, accumulated
 over micro-batches of the same number of sequences (train.micro_batch), full-length, never through the ranks'
-slicing function (model/data.micro_batches). A data-partition bug is therefore not reproduced on both sides.
-Parallel: N ranks through the launcher; after each backward every parameter's gradient is gathered to full
+slicing function (model/data.micro_batches). A data-partition bug is therefore not reproduced on both sides. Its
+update is the ranks' own optimizer step (train/optim.py optimizer_step: clip, lr schedule, AdamW step).
+Parallel: N ranks through the launcher, each running the training step that `train`, `bench` and `climb` run
+(train.loop.train_step: micro-batches, clip, lr schedule, update, zero-grad); its `after_backward` hook only reads:
+after each backward every parameter's gradient is gathered to full
 shape (DTensor.full_tensor for FSDP/TP, stage dicts for PP, expert shards for EP) under its reference name, and
 after the last step every rank's parameters (validation/compare.py: checksummed across replicas, divergent
 copies compared too). `--inject NAME` plants one known bug (validation/inject.py) in the ranks only.
