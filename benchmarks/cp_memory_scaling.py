@@ -15,6 +15,7 @@ import json
 import statistics
 
 from curry_train.config import load_config
+from curry_train.measure.memory import memory_spec
 from curry_train.paths import resolve_config_arg
 from curry_train.train.jobs import rank_jobs
 from curry_train.train.launch import launch_forkserver
@@ -31,7 +32,7 @@ def main() -> None:
         cfg = load_config(resolve_config_arg("tiny"), {"parallel.cp": a.cp, "train.seq_len": seq,
                                                        "train.micro_batch": 1, "train.global_batch": 1,
                                                        "train.steps": a.steps + 1})
-        specs = [{"kind": "memory", "config": cfg.to_dict(), "steps": 2},
+        specs = [memory_spec(cfg),
                  {"kind": "train", "config": cfg.to_dict()}]
         mem, train = zip(*launch_forkserver(rank_jobs, cfg.world_size, specs, timeout=900))
         act = max(r["peak"] - r["params"] - r["grads"] - r["optimizer"] for r in mem)

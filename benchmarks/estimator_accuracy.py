@@ -141,6 +141,7 @@ def config_for(name: str):
 
 def measure(names: list[str], timeout: float = 900.0) -> dict[str, list[dict[str, Any]]]:
     """name -> per-rank MemoryReport dicts; one forkserver launch per world size."""
+    from curry_train.measure.memory import memory_spec
     from curry_train.train.jobs import rank_jobs
     from curry_train.train.launch import launch_forkserver
 
@@ -149,7 +150,7 @@ def measure(names: list[str], timeout: float = 900.0) -> dict[str, list[dict[str
         by_world.setdefault(config_for(n).world_size, []).append(n)
     out: dict[str, list[dict[str, Any]]] = {}
     for world, group in sorted(by_world.items()):
-        specs = [{"kind": "memory", "config": config_for(n).to_dict(), "steps": 2} for n in group]
+        specs = [memory_spec(config_for(n)) for n in group]
         per_rank = launch_forkserver(rank_jobs, world, specs, timeout=timeout)  # [rank][spec]
         for i, n in enumerate(group):
             out[n] = [per_rank[r][i] for r in range(world)]

@@ -134,7 +134,8 @@ def recommend_next(
 
 def _plan_png(p: Plan) -> bytes:
     """The pipeline timeline of the final layout (its bubble), or its memory breakdown when it has no pipeline."""
-    from curry_train.estimator import CUDA_CONTEXT_RESERVE_GIB, FRAGMENTATION_RESERVE
+    from curry_train.config import Config
+    from curry_train.estimator import reserve_bytes
     from curry_train.plots import layout_title, memory_breakdown_png, pipeline_timeline_png
 
     f = p.final
@@ -145,7 +146,8 @@ def _plan_png(p: Plan) -> bytes:
     comp = {k: v * 2**30 for k, v in last.memory_gib.items() if k != "total"}
     title = f"{layout_title(p.model, f)} on {p.gpus} GPUs (no pipeline), estimate"
     budget = p.gpu_memory_gib * 2**30
-    usable = budget - (CUDA_CONTEXT_RESERVE_GIB + FRAGMENTATION_RESERVE * p.gpu_memory_gib) * 2**30  # GPU reserve
+    gpu = Config(hardware={"device": "cuda", "gpu_memory_gib": p.gpu_memory_gib})  # a plan is for GPUs
+    usable = budget - reserve_bytes(gpu)
     return memory_breakdown_png({"estimate": comp}, title=title, budget_bytes=budget, usable_bytes=usable)
 
 

@@ -52,9 +52,9 @@ def _probe(args: dict[str, Any], cancel: threading.Event, say: Say, root: str | 
 
 
 def _sweep(args: dict[str, Any], cancel: threading.Event, say: Say, root: str | None) -> dict[str, Any]:
-    from curry_train.advice.sweep import capacity_sweep
     from curry_train.measure.preflight import preflight
     from curry_train.measure.service import resolve
+    from curry_train.measure.sweep import capacity_sweep
 
     preflight(*resolve(args["config"], args.get("overrides") or {}, root))  # measured: it launches ranks
 

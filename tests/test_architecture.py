@@ -3,12 +3,18 @@
     .venv/bin/pytest tests/test_architecture.py -q
 
 The graph is built from the source with `ast` (nothing is imported), counting every import, including the ones
-inside functions: a lazy import still ties two modules together. docs/ARCHITECTURE.md draws the same layers.
+inside functions: a lazy import still ties two modules together. For the layers, a module named in a string
+counts too: an `importlib.import_module("pkg.mod")` argument, a "pkg.mod:func" entry point, a `-m pkg.mod` command
+line, since each loads that module at run time as an import does (docstrings excepted: they describe, they do
+not load). The cycle check reads import statements only: a string is how a module loads a plug-in that imports it
+back (cli/__init__.py's EXTENSIONS, whose subcommands use the parser helpers), which is no import cycle.
+docs/ARCHITECTURE.md draws the same layers.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -60,7 +66,33 @@ def _is_type_checking(test: ast.expr) -> bool:
         isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
-def _imports(mod: str, path: Path) -> set[str]:
+# A string that loads a module: a dotted name of one of the roots, alone or as "module:function", or after "-m ".
+_NAME = r"((?:" + "|".join(ROOTS) + r")(?:\.\w+)+)"
+_MODULE_STRING = re.compile(rf"^{_NAME}(?::\w+)?$|-m\s+{_NAME}(?=$|\s)")
+
+
+def _docstrings(tree: ast.Module) -> set[int]:
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+                out.add(id(first.value))
+    return out
+
+
+def string_imports(source: str) -> set[str]:
+    """Dotted module names that the source's string constants load (not its docstrings, nor a string a
+    comparison tests a name against: `argv[1] == "curry_train.cli"` loads nothing)."""
+    tree = ast.parse(source)
+    docs = _docstrings(tree) | {id(n) for node in ast.walk(tree) if isinstance(node, ast.Compare)
+                                for n in ast.walk(node)}
+    return {m.group(1) or m.group(2) for node in ast.walk(tree)
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docs
+            for m in _MODULE_STRING.finditer(node.value.strip())}
+
+
+def _imports(mod: str, path: Path, strings: bool = True) -> set[str]:
     is_pkg = path.name == "__init__.py"
     package = mod if is_pkg else mod.rpartition(".")[0]
     out: set[str] = set()
@@ -85,10 +117,15 @@ def _imports(mod: str, path: Path) -> set[str]:
             r = _resolve(t)
             if r and r != mod:
                 out.add(r)
+    for t in string_imports(path.read_text(encoding="utf-8")) if strings else ():
+        r = _resolve(t)
+        if r and r != mod:
+            out.add(r)
     return out
 
 
-GRAPH = {m: _imports(m, p) for m, p in MODULES.items()}
+GRAPH = {m: _imports(m, p) for m, p in MODULES.items()}  # import statements and module strings: the layers
+IMPORT_GRAPH = {m: _imports(m, p, strings=False) for m, p in MODULES.items()}  # statements only: the cycles
 
 
 def _layer(mod: str) -> int:
@@ -112,7 +149,7 @@ def _cycles() -> list[list[str]]:
         index[v] = low[v] = len(index)
         stack.append(v)
         on.add(v)
-        for w in GRAPH[v]:
+        for w in IMPORT_GRAPH[v]:
             if w not in index:
                 visit(w)
                 low[v] = min(low[v], low[w])
@@ -129,7 +166,7 @@ def _cycles() -> list[list[str]]:
             if len(comp) > 1:
                 found.append(sorted(comp))
 
-    for v in GRAPH:
+    for v in IMPORT_GRAPH:
         if v not in index:
             visit(v)
     return found
@@ -141,6 +178,23 @@ def test_the_graph_sees_the_known_edges():
     assert "curry_train.parallel.parallelize" in GRAPH["curry_train.train.loop"]
     assert any(m.startswith("curry_train_mcp.") for m in MODULES)
     assert sum(len(v) for v in GRAPH.values()) > 150
+    # edges held only in strings: the torchrun command line, the CLI's extension list
+    assert "curry_train.train.rank_main" in GRAPH["curry_train.train.launch"]
+    assert "curry_train_mcp.cli" in GRAPH["curry_train.cli"]
+
+
+def test_strings_that_load_a_module_count_as_imports():
+    src = '''"""Docstring: run python -m curry_train.cli, see curry_train.measure.bench:bench_job."""
+import importlib
+a = importlib.import_module("curry_train.measure.bench")
+b = "curry_train.measure.memory:memory_job"
+c = [sys.executable, "-m", "curry_train.train.rank_main", path]
+d = "python -m curry_train.advice.sweep --json"
+e = "curry_train.estimator is mentioned in a sentence, which loads nothing"
+f = sys.argv[1] == "curry_train.cli"
+'''
+    assert string_imports(src) == {"curry_train.measure.bench", "curry_train.measure.memory",
+                                   "curry_train.train.rank_main", "curry_train.advice.sweep"}
 
 
 def test_no_import_cycle_anywhere():

@@ -29,11 +29,12 @@ def test_the_estimate_uses_the_shared_categories_and_they_sum_to_its_total():
 
 @pytest.mark.multirank
 def test_tiny_dp2_and_pp2_estimate_and_measurement_agree_per_category():
+    from curry_train.measure.memory import memory_spec
     from curry_train.train.jobs import rank_jobs
     from curry_train.train.launch import launch_forkserver
 
     cfgs = [from_dict(load_any("tiny").to_dict(), ov) for ov in ({"parallel.dp": 2}, {"parallel.pp": 2})]
-    specs = [{"kind": "memory", "config": c.to_dict(), "steps": 2} for c in cfgs]
+    specs = [memory_spec(c) for c in cfgs]
     per_rank = launch_forkserver(rank_jobs, 2, specs, timeout=300)
     for i, cfg in enumerate(cfgs):
         reports = [per_rank[r][i] for r in range(2)]

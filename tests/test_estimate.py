@@ -166,6 +166,7 @@ def test_cli_estimate_prints_one_json_object(capsys):
 @pytest.mark.multirank
 def test_estimate_matches_measurement_on_tiny_layouts():
     """Looser than the benchmark's goal (3%): 5% on the total, model states exact."""
+    from curry_train.measure.memory import memory_spec
     from curry_train.train.jobs import rank_jobs
     from curry_train.train.launch import launch_forkserver
 
@@ -173,7 +174,7 @@ def test_estimate_matches_measurement_on_tiny_layouts():
              1: [{}, {"parallel.recompute": "full"}]}
     for world, overrides in cases.items():
         cfgs = [from_dict(load_any("tiny").to_dict(), ov) for ov in overrides]
-        specs = [{"kind": "memory", "config": c.to_dict(), "steps": 2} for c in cfgs]
+        specs = [memory_spec(c) for c in cfgs]
         per_rank = launch_forkserver(rank_jobs, world, specs, timeout=300)
         for i, cfg in enumerate(cfgs):
             reports = [per_rank[r][i] for r in range(world)]

@@ -56,6 +56,8 @@ def test_every_planted_bug_fails_on_its_natural_layout_and_is_named(tmp_path):
     assert by["zero1-no-weight-decay"].worst_parameter.name.startswith("param[step 0]")
     assert "norm" in by["zero1-no-weight-decay"].worst_parameter.name
     assert by["replica-lr"].worst_parameter.name.startswith("param[step 0, rank 1]")
+    # the white-box runs the real train step: a zero-grad that does nothing sums two steps' gradients at step 1
+    assert by["zero-grad-noop"].worst_parameter.name.startswith("grad[step 1]"), by["zero-grad-noop"].worst_parameter
     assert by["data-same-rows"].loss_max_diff > 1e-3  # half the batch: another loss, not only other gradients
     # HSDP without the replica all-reduce: rank 0's gradient is its replica's half-batch mean (not the global one),
     # and the first rank of the other replica group (ranks 2, 3 on the (dp_replicate, dp_shard) mesh) diverges.
@@ -77,12 +79,12 @@ def test_the_catalogue_lists_every_name_with_family_and_layout(capsys):
     assert [r["name"] for r in rows if r["available"]] == [r["name"] for r in rows] == list(CATALOGUE) == [
         "ddp-unreduced-grad", "zero1-no-weight-decay", "fsdp-grad-sum", "hsdp-no-replica-allreduce",
         "tp-sp-norm-unreduced", "pp-unscaled-grads", "ep-expert-unreduced", "cp-local-lse", "data-same-rows",
-        "replica-lr"]
+        "replica-lr", "zero-grad-noop"]
     assert all(r["family"] and r["breaks"] and r["layout"] for r in listing())
 
 
 @pytest.mark.parametrize(("args", "says"), [
-    (["--inject", "nope"], "use one of: ddp-unreduced-grad, zero1-no-weight-decay"),
+    (["--inject", "nope"], "use one of ddp-unreduced-grad, zero1-no-weight-decay"),
     (["--set", "parallel.dp=2", "--inject", "ep-expert-unreduced"], "this model is dense"),
     (["--inject", "hsdp-no-replica-allreduce", "--set", "parallel.dp=2"], "parallel.dp_replicate"),
     (["--inject", "hsdp-no-replica-allreduce", "--set", "parallel.dp=4", "--set", "parallel.zero=3"],

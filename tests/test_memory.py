@@ -24,9 +24,9 @@ from __future__ import annotations
 import pytest
 import torch
 from curry_train.config import load_config
-from curry_train.measure.memory import CATEGORIES, measure_memory
+from curry_train.measure.memory import CATEGORIES, measure_memory, memory_spec
 from curry_train.model.gpt import build_model
-from curry_train.train.jobs import JOBS, rank_jobs
+from curry_train.train.jobs import JOBS, job_function, rank_jobs
 from curry_train.train.launch import launch_forkserver
 
 from tests.conftest import PRESETS
@@ -51,7 +51,7 @@ def _param_bytes(cfg, prefix: str = "") -> int:
 def test_zero_stages_shrink_optimizer_grads_and_params_fourfold_at_four_ranks():
     grid = [(z, r) for r in ("none", "full") for z in (0, 1, 2, 3)]
     cfgs = [load_config(TINY, {"parallel.dp": 4, "parallel.zero": z, "parallel.recompute": r}) for z, r in grid]
-    specs = [{"kind": "memory", "config": c.to_dict()} for c in cfgs]
+    specs = [memory_spec(c) for c in cfgs]
     per_rank = launch_forkserver(rank_jobs, 4, specs)  # [rank][config] -> MemoryReport dict
     m = {key: [per_rank[r][i] for r in range(4)] for i, key in enumerate(grid)}
     print("\nzero recompute " + " ".join(f"{c:>12}" for c in (*CATEGORIES, "peak")))
@@ -118,5 +118,8 @@ def test_bf16_autocast_weight_casts_are_parameter_copies(one_thread):
     assert rep.params == _param_bytes(cfg)  # fp32 master weights
 
 
-def test_memory_job_kind_is_registered():
-    assert JOBS["memory"] == "curry_train.measure.memory:memory_job"
+def test_a_memory_spec_names_its_job_and_the_template_registry_holds_only_template_jobs():
+    assert job_function(memory_spec(load_config(TINY))) == "curry_train.measure.memory:memory_job"
+    assert sorted(JOBS) == ["selftest", "train"]  # every other job is named by its owner (no upward name)
+    with pytest.raises(ValueError, match="unknown job kind"):
+        job_function({"kind": "memory"})

@@ -7,6 +7,7 @@ import json
 import pytest
 from curry_train.advice.sweep import capacity_sweep, family, ladder_rungs
 from curry_train.estimator import estimate_memory
+from curry_train.measure.sweep import capacity_sweep as measured_sweep
 
 
 def test_rungs_follow_the_ladder_for_the_hardware():
@@ -60,7 +61,7 @@ def test_cli_sweep_json(capsys):
 @pytest.mark.multirank  # the measured sweep launches torchrun from inside the product code
 @pytest.mark.slow
 def test_measured_mode_binary_searches_with_real_runs():
-    s = capacity_sweep("tiny", {"hardware.gpu_memory_gib": 0.01}, measured=True, rungs=["single"],
+    s = measured_sweep("tiny", {"hardware.gpu_memory_gib": 0.01}, measured=True, rungs=["single"],
                        max_micro_batch=64, max_runs_per_rung=5, widths=(1.0, 2.0), depths=(1.0,))
     row = s.rungs[0]
     est = capacity_sweep("tiny", {"hardware.gpu_memory_gib": 0.01}, rungs=["single"], max_micro_batch=64)

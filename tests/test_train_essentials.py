@@ -60,23 +60,28 @@ def _cfg(o: dict):
     return load_config(o.get("config", TINY), {**CLIP, **{k: v for k, v in o.items() if k != "config"}})
 
 
-def _norm_job(rank: int, world: int, layouts: list[dict]) -> list[float]:
-    """Inside a rank: the global gradient norm each layout computes after one step's backward."""
-    from curry_train.train.loop import forward_backward, setup
+def _norm_job(rank: int, world: int, layouts: list[dict]) -> list[tuple[float, list[str]]]:
+    """Inside a rank, per layout, one real train_step: the global gradient norm read after its backward, and the
+    parameters whose gradient its zero-grad left non-zero (DDP zeroes its bucket views in place, FSDP sets None)."""
+    from curry_train.train.loop import setup, train_step
 
     out = []
     for o in layouts:
         cfg = _cfg(o)
         par = setup(cfg)
-        forward_backward(par, 0)
-        out.append(float(global_grad_norm(par.parts, cfg, par.mesh)))
+        norm = []
+        train_step(par, 0, after_backward=lambda loss: norm.append(float(global_grad_norm(par.parts, cfg, par.mesh))))
+        left = [n for part in par.parts for n, p in part.named_parameters()
+                if p.grad is not None and bool((p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad).any())]
+        out.append((norm[0], left))
     return out
 
 
 @pytest.mark.multirank
-def test_global_grad_norm_is_the_whole_models_norm_under_every_layout():
+def test_global_grad_norm_is_the_whole_models_norm_and_the_step_zeroes_every_gradient_under_every_layout():
     """Adam is nearly invariant to a constant gradient scale, so a wrong norm (copies counted twice, a stage or
-    an expert shard missed) could hide in the white-box parameters: check the norm itself, on every rank."""
+    an expert shard missed) could hide in the white-box parameters: check the norm itself, on every rank. And a
+    zero-grad that leaves a gradient behind adds it to the next step's: none may be left, on any rank."""
     from curry_train.train.launch import launch_forkserver
     from curry_train.validation.whitebox import reference
 
@@ -85,7 +90,9 @@ def test_global_grad_norm_is_the_whole_models_norm_under_every_layout():
         grads = reference(_cfg(o), 1)["grads"][0]
         ref = float(torch.sqrt(sum((g.double() ** 2).sum() for g in grads.values())))
         for r in range(4):
-            assert per_rank[r][i] == pytest.approx(ref, rel=1e-5), (o, r, per_rank[r][i], ref)
+            norm, left = per_rank[r][i]
+            assert norm == pytest.approx(ref, rel=1e-5), (o, r, norm, ref)
+            assert left == [], (o, r, left[:3])
 
 
 @pytest.mark.multirank

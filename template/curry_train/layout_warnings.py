@@ -4,9 +4,9 @@
 print(layout_warnings(load_config('configs/tiny.yaml', {'parallel.zero': 2})))"
 
 ZeRO (Rajbhandari et al., 2020) shards optimizer state, gradients and parameters across the data-parallel group;
-here that group is dp x cp (parallel/parallelize.py builds DDP / ZeRO-1 / FSDP only when dp * cp > 1). With one
+here that group is dp x cp (wrapping.py: DDP / ZeRO-1 / FSDP only when dp * cp > 1). With one
 data-parallel rank there is nothing to shard over, so `parallel.zero` >= 1 silently trains like zero=0 and the
-per-rank memory does not drop (issue 20: the README's `train` example ran ZeRO-2 at dp=1 without a word). This
+per-rank memory does not drop (a ZeRO-2 run at dp=1 would otherwise pass without a word). This
 config has no HSDP switch: hybrid sharding is FSDP over dp x cp here, covered by the same check.
 
 Torch-free and import-light (config types only for hints), so the CLI, the estimator and the MCP server can call it.

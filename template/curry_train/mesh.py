@@ -8,6 +8,7 @@ Size-1 axes are the identity, so the single-device reference and every parallel 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -78,11 +79,39 @@ def node_layout(topo: Topology, cfg: Config, local_world: int) -> list[str]:
     return out
 
 
-def build_mesh(topo: Topology, device: str):
-    """4-D DeviceMesh named ("pp", "dp", "cp", "tp"); every rank must call it (it creates every sub-group)."""
+def build_mesh(topo: Topology, device: str, *, dp_replicate: int = 1, experts: bool = False):
+    """4-D DeviceMesh named ("pp", "dp", "cp", "tp") with every view the layout uses built here, up front.
+
+    Creating a process group is a collective that every rank must enter in the same order, so every sub-mesh is
+    created here, in one fixed order, and never later: the dp x cp gradient mesh (dp_cp_mesh), HSDP's 2-D mesh
+    when dp_replicate > 1 (fsdp_mesh), the expert meshes when the model has experts or ep > 1 (ep_meshes). The
+    accessors below only read what was built. Every rank must call it.
+    """
     from torch.distributed.device_mesh import init_device_mesh
 
-    return init_device_mesh(device, (topo.pp, topo.dp, topo.cp, topo.tp), mesh_dim_names=AXES)
+    mesh = init_device_mesh(device, (topo.pp, topo.dp, topo.cp, topo.tp), mesh_dim_names=AXES)
+    flat = mesh["dp", "cp"]._flatten("dp_cp")  # dp-major, cp-minor: index dp_i * cp + cp_i
+    views: dict[str, Any] = {"dp_cp": flat}
+    if dp_replicate > 1:
+        n = flat.size()
+        views["fsdp", dp_replicate] = flat._unflatten("dp_cp", (dp_replicate, n // dp_replicate),
+                                                      ("dp_replicate", "dp_shard_cp"))
+    if experts or topo.ep > 1:
+        full = mesh._unflatten("dp", (topo.dp // topo.ep, topo.ep), ("edp", "ep"))  # ("pp", "edp", "ep", "cp", "tp")
+        views["ep", topo.ep] = (full["ep"], full["edp", "cp"]._flatten("edp_cp"))
+    mesh.__dict__[_VIEWS] = views
+    return mesh
+
+
+_VIEWS = "_curry_views"
+
+
+def _view(mesh, key: Any, what: str):
+    views = mesh.__dict__.get(_VIEWS)
+    if views is None or key not in views:
+        raise ValueError(f"the mesh has no {what} view: build it with mesh.build_mesh(topo, device, "
+                         "dp_replicate=..., experts=...), which creates every view up front")
+    return views[key]
 
 
 def expert_rank_grid(topo: Topology) -> torch.Tensor:
@@ -94,7 +123,7 @@ def expert_rank_grid(topo: Topology) -> torch.Tensor:
 def dp_cp_mesh(mesh):
     """The 1-D mesh over which gradients are averaged: data-parallel ranks and context-parallel ranks together
     (CP ranks hold different tokens of the same sequences, so their gradients are summed like DP's)."""
-    return mesh["dp", "cp"]._flatten("dp_cp")
+    return _view(mesh, "dp_cp", "dp x cp")
 
 
 def fsdp_mesh(mesh, dp_replicate: int = 1):
@@ -105,30 +134,18 @@ def fsdp_mesh(mesh, dp_replicate: int = 1):
     dp/dp_replicate consecutive dp ranks times the cp ranks: with TP (then CP) innermost in the rank order, it stays inside a
     node when tp * cp * dp_shard <= gpus_per_node. FSDP2 given a 2-D mesh replicates on dim 0 and shards on dim 1:
     all-gather / reduce-scatter inside the shard group, then an all-reduce of the gradient shards across the
-    replicas. Cached on `mesh`; every rank must call it in the same order (it creates process groups).
+    replicas. Built by build_mesh(..., dp_replicate=...).
     """
     if dp_replicate == 1:
         return dp_cp_mesh(mesh)
-    cache = mesh.__dict__.setdefault("_curry_fsdp_meshes", {})
-    if dp_replicate not in cache:
-        flat = dp_cp_mesh(mesh)  # dp-major, cp-minor: index dp_i * cp + cp_i
-        n = flat.size()
-        cache[dp_replicate] = flat._unflatten("dp_cp", (dp_replicate, n // dp_replicate),
-                                              ("dp_replicate", "dp_shard_cp"))
-    return cache[dp_replicate]
+    return _view(mesh, ("fsdp", dp_replicate), f"HSDP (dp_replicate={dp_replicate})")
 
 
 def ep_meshes(mesh, ep: int):
-    """(ep mesh, edp_cp mesh) for expert parallelism, carved from the dp axis (cached on `mesh`).
+    """(ep mesh, edp_cp mesh) for expert parallelism, carved from the dp axis (built by build_mesh).
 
     dp is unflattened into ("edp", "ep") with ep fastest, so ep *consecutive* dp ranks form an EP group and
     hold all E experts between them. "edp_cp" = the ranks holding the *same* experts (dp/ep of them per cp
     rank, times cp): expert gradients are summed there, while the other parameters use dp_cp_mesh.
-    Every rank must call this, in the same order (it creates process groups; docs/CPU-DISTRIBUTED.md, quirk 4).
     """
-    cache = mesh.__dict__.setdefault("_curry_ep_meshes", {})
-    if ep not in cache:
-        dp = mesh["dp"].size()
-        full = mesh._unflatten("dp", (dp // ep, ep), ("edp", "ep"))  # ("pp", "edp", "ep", "cp", "tp")
-        cache[ep] = (full["ep"], full["edp", "cp"]._flatten("edp_cp"))
-    return cache[ep]
+    return _view(mesh, ("ep", ep), f"expert (ep={ep})")

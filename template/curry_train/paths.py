@@ -81,7 +81,7 @@ def resolve_config_arg(arg: str, root: str | Path | None = None) -> Path:
     """CLI `--config`: a path to an existing YAML file (read-only use), or a config name under configs/.
 
     A YAML path that does not exist is reported as such, with the configs there are (`configs/nope.yaml` used to
-    fall through to the name check and get "is not allowed (no '/')", issue 20 item 4)."""
+    fall through to the name check and get "is not allowed (no '/')")."""
     p = Path(arg)
     if p.suffix in (".yaml", ".yml"):
         if p.is_file():

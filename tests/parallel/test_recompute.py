@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 from curry_train.config import load_config
-from curry_train.measure.memory import _is_recomputing, measure_memory
+from curry_train.measure.memory import measure_memory
+from curry_train.measure.tracker import _is_recomputing
 from curry_train.model.data import global_batch, micro_batches
 from curry_train.model.gpt import build_model, lm_loss
 from curry_train.parallel.recompute import apply_recompute

@@ -2,7 +2,7 @@
 family that fit the per-rank budget; from the estimator, or measured with real runs on this machine.
 
     curry-train sweep --config tiny --json                       # estimator: milliseconds
-    curry-train sweep --config tiny --measured --json            # binary search with real runs (memory jobs)
+    curry-train sweep --config tiny --measured --json            # binary search with real runs (measure/sweep.py)
 
 Rungs (cumulative, each the next rung of the stage-4 ladder on the config's hardware): one device; + full
 recompute; DDP over the devices; ZeRO-1, -2, -3; ZeRO-3 + full recompute; + TP (a node's width); + PP (more
@@ -11,15 +11,17 @@ accumulation, so FSDP keeps no unsharded gradient accumulators).
 
 The family scales the config's model: widths (d_model, with the head dim fixed, heads, kv heads and d_ff in
 proportion) times depths (n_layers). "Largest" is by parameter count. Measured mode checks the estimator's
-answer with `curry_train.measure.memory.measure_memory` (job kind "memory") and binary-searches around it: the
+answer with real runs (`curry_train.measure.memory.measure_memory` on the ranks, measure/sweep.py) and binary-searches around it: the
 micro-batch between the last size that fits and the first that does not, the model over the family sorted by
 estimated peak. A run fits when its measured per-rank peak stays under the budget minus the reserve.
+
+This module decides only: it launches nothing. The measurement is handed in as `measure(cfg) -> peak bytes |
+None` (None: the run did not fit); measure/sweep.py supplies the one that runs real ranks.
 """
 
 from __future__ import annotations
 
 import math
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -29,6 +31,8 @@ from pydantic import BaseModel, Field
 
 from curry_train.config import Config, ConfigError, from_dict
 from curry_train.estimator import GiB, estimate, load_any, param_count
+
+Measure = Callable[[Config], "int | None"]  # a real run's worst per-rank peak in bytes; None: it did not fit
 
 WIDTHS = (0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0)
 DEPTHS = (0.5, 1.0, 1.5, 2.0, 3.0, 4.0)
@@ -163,48 +167,7 @@ def _at(cfg: Config, parallel: dict[str, Any], micro_batch: int, model: dict | N
         return None
 
 
-# ----------------------------------------------------------------------------------------------- measuring
-
-
-class Measurer:
-    """Runs `measure_memory` on the ranks a config needs (forkserver gloo ranks, or torchrun) and says whether
-    its worst per-rank peak fits the usable budget."""
-
-    def __init__(self, launcher: str = "forkserver", timeout: float = 600.0, cancel: threading.Event | None = None,
-                 progress: Callable[[str], None] | None = None, max_world: int | None = None):
-        self.launcher, self.timeout, self.cancel = launcher, timeout, cancel
-        self.say = progress or (lambda msg: None)
-        self.max_world = max_world
-        self.runs = 0
-
-    def peak(self, cfg: Config) -> int | None:
-        """Worst per-rank peak in bytes, None when the run fails (a CUDA OOM, a crash)."""
-        from curry_train.train.launch import LaunchError
-
-        if self.cancel is not None and self.cancel.is_set():
-            raise RuntimeError("capacity sweep cancelled")
-        spec = {"kind": "memory", "config": cfg.to_dict(), "steps": 2}
-        self.runs += 1
-        self.say(f"measuring {cfg.parallel.model_dump()} micro_batch={cfg.train.micro_batch} "
-                 f"d_model={cfg.model.d_model} n_layers={cfg.model.n_layers}")
-        try:
-            if self.launcher == "torchrun":
-                import tempfile
-
-                from curry_train.train.launch import run_torchrun
-
-                values = run_torchrun(spec, cfg.world_size, Path(tempfile.mkdtemp(prefix="curry_sweep_")),
-                                      timeout=self.timeout, cancel=self.cancel)
-            else:
-                from curry_train.train.jobs import rank_job
-                from curry_train.train.launch import launch_forkserver
-
-                values = launch_forkserver(rank_job, cfg.world_size, spec, timeout=self.timeout)
-        except LaunchError as e:
-            if "out of memory" in str(e).lower() or "OutOfMemoryError" in str(e):
-                return None
-            raise
-        return max(max(int(v.get("peak") or 0), int(v.get("cuda_max_allocated") or 0)) for v in values)
+# ----------------------------------------------------------------------------------------------- searching
 
 
 def _bsearch(lo_ok: int, hi_bad: int, fits: Callable[[int], bool]) -> int:
@@ -224,10 +187,11 @@ def _bsearch(lo_ok: int, hi_bad: int, fits: Callable[[int], bool]) -> int:
 class _Rung:
     """Fit checks under one rung: from the estimator, or measured (cached, within a run budget)."""
 
-    def __init__(self, cfg: Config, par: dict[str, Any], usable: int, meas: Measurer | None, max_runs: int):
+    def __init__(self, cfg: Config, par: dict[str, Any], usable: int, meas: Measure | None, max_runs: int):
         self.cfg, self.par, self.usable, self.meas = cfg, par, usable, meas
         self.max_runs, self.runs_left = max_runs, max_runs
         self.peaks: dict[tuple, int | None] = {}
+        self.runs = 0  # real runs this rung took
 
     def est_peak(self, mb: int, model: dict | None = None) -> int | None:
         c = _at(self.cfg, self.par, mb, model)
@@ -237,7 +201,11 @@ class _Rung:
         key = (mb, None if model is None else (model["d_model"], model["n_layers"]))
         if key not in self.peaks:
             c = _at(self.cfg, self.par, mb, model)
-            self.peaks[key] = None if c is None or self.meas is None else self.meas.peak(c)
+            if c is None or self.meas is None:
+                self.peaks[key] = None
+            else:
+                self.runs += 1
+                self.peaks[key] = self.meas(c)
         return self.peaks[key]
 
     def fits_est(self, mb: int, model: dict | None = None) -> bool:
@@ -294,16 +262,15 @@ class _Rung:
 
 
 def capacity_sweep(config: str | Path | dict[str, Any] | Config, overrides: dict[str, Any] | None = None, *,
-                   measured: bool = False, rungs: list[str] | None = None, max_micro_batch: int = 4096,
+                   rungs: list[str] | None = None, max_micro_batch: int = 4096,
                    widths: tuple[float, ...] = WIDTHS, depths: tuple[float, ...] = DEPTHS,
-                   launcher: str = "forkserver", timeout: float = 600.0, max_runs_per_rung: int = 8,
-                   cancel: threading.Event | None = None, progress: Callable[[str], None] | None = None,
+                   max_runs_per_rung: int = 8, measure: Measure | None = None,
                    root: str | Path | None = None) -> SweepResult:
     """Under each ladder rung: the largest micro-batch and the largest family model that fit the budget.
 
-    `rungs` picks rung labels (default: every rung the config's hardware allows). `measured=True` verifies each
-    answer with real runs on this machine and binary-searches around the estimate (at most
-    `max_runs_per_rung` runs per search; the estimator decides the rest)."""
+    `rungs` picks rung labels (default: every rung the config's hardware allows). With `measure` (a real run's
+    per-rank peak, measure/sweep.py) each answer is verified and binary-searched around the estimate (at most
+    `max_runs_per_rung` runs per search; the estimator decides the rest); without it, the estimator alone."""
     t0 = time.perf_counter()
     cfg = load_any(config, overrides, root=root)
     name = config if isinstance(config, str) else "<config>"
@@ -312,13 +279,12 @@ def capacity_sweep(config: str | Path | dict[str, Any] | Config, overrides: dict
     fam = family(cfg, widths, depths)
     params = [param_count(from_dict({**cfg.to_dict(), "model": sec}, validate=False)) for sec in fam]
     members = [_member(sec, n) for sec, n in zip(fam, params)]
-    meas = Measurer(launcher, timeout, cancel, progress) if measured else None
+    meas = measure
     mb0 = cfg.train.micro_batch
     rows = []
     for label, par in ladder_rungs(cfg):
         if (rungs is not None and label not in rungs) or _at(cfg, par, 1) is None:
             continue
-        runs_before = meas.runs if meas else 0
         r = _Rung(cfg, par, usable, meas, max_runs_per_rung)
         best_mb, note = r.max_micro_batch(max_micro_batch)
         best_i = r.max_model(fam, params, mb0)
@@ -334,9 +300,9 @@ def capacity_sweep(config: str | Path | dict[str, Any] | Config, overrides: dict
             max_model=members[best_i] if best_i is not None else None,
             model_peak_bytes=peak(mb0, fam[best_i]) if best_i is not None else None,
             micro_batch_limited_by=mb_by, model_limited_by=model_by,
-            source="measured" if meas else "estimate", runs=(meas.runs - runs_before) if meas else 0,
+            source="measured" if meas else "estimate", runs=r.runs,
             note="; ".join(n for n in notes if n)))
-    return SweepResult(config=str(name), mode="measured" if measured else "estimate",
+    return SweepResult(config=str(name), mode="measured" if meas else "estimate",
                        budget_bytes=base_est.budget_bytes, usable_bytes=usable, micro_batch=mb0, family=members,
                        rungs=rows, seconds=time.perf_counter() - t0)
 

@@ -6,7 +6,7 @@ line (exit 2, no traceback), and help that shows each option's default.
     #                                   (see curry-train bench --help)   [exit 2]
 
 Checking in argparse (a `type` function) refuses bad input before any config is read or any process starts, and
-names the option - the function raising deep inside bench() gave a traceback and exit 1 (issue 20 item 3).
+names the option - the function raising deep inside bench() gave a traceback and exit 1.
 """
 
 from __future__ import annotations

@@ -176,8 +176,8 @@ def _cmd_plan(a: argparse.Namespace) -> int:
 
 
 def _cmd_sweep(a: argparse.Namespace) -> int:
-    from curry_train.advice.sweep import capacity_sweep
     from curry_train.config import parse_sets
+    from curry_train.measure.sweep import capacity_sweep
 
     s = capacity_sweep(a.config, parse_sets(a.set), measured=a.measured, rungs=a.rung or None,
                        max_micro_batch=a.max_micro_batch, launcher=a.launcher, timeout=a.timeout,

@@ -5,7 +5,7 @@
     human_flops(1.18e6)      -> '1.18 MFLOP'     human_flops(5.79e10)     -> '57.9 GFLOP'
 
 The estimator works in bytes and counts; printing them in one fixed unit gave '0.00 GiB' and '0.000181B params'
-for the tiny config (issue 20 item 8), so every human line goes through these.
+for the tiny config, so every human line goes through these.
 """
 
 from __future__ import annotations

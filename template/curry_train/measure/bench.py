@@ -34,6 +34,8 @@ from curry_train.breakdown import CATEGORIES, Breakdown, split
 from curry_train.config import Config
 from curry_train.paths import runs_dir
 
+BENCH_JOB = f"{__name__}:bench_job"  # the rank-side job of a bench spec (train/jobs.py resolves it)
+
 
 class MemoryBreakdown(Breakdown):
     """One rank's bytes at the moment of its peak, in the categories the estimator uses (curry_train/breakdown.py);
@@ -352,7 +354,7 @@ def bench(config: str, steps: int = 5, warmup: int = 1, overrides: dict[str, Any
     run_path = ledger.path.parent / rec.run_id
     t0 = time.perf_counter()
     say(f"launching {cfg.world_size} rank(s) for {warmup}+{steps} steps (run {rec.run_id})")
-    spec = {"kind": "bench", "config": cfg.to_dict(), "steps": steps, "warmup": warmup, "resume": resume,
+    spec = {"kind": "bench", "job": BENCH_JOB, "config": cfg.to_dict(), "steps": steps, "warmup": warmup, "resume": resume,
             "checkpoint_dir": str((run_path / "checkpoints").resolve()) if save_checkpoint else None}
     job = start_torchrun(spec, cfg.world_size, run_path)
     try:

@@ -23,7 +23,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from curry_train.measure.memory import _real, _storages
+from curry_train.measure.tracker import _real, _storages
 
 
 class LiveBytes(TorchDispatchMode):

@@ -60,7 +60,7 @@ def _histogram(ids: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def capacity_keep_cp(experts: torch.Tensor, batch: int, m: ModelConfig, group: Any) -> torch.Tensor:
-    """capacity_keep over whole sequences when context parallel splits them (issue 17).
+    """capacity_keep over whole sequences when context parallel splits them.
 
     experts [N, K] of this cp rank's tokens, rows (b, local t), N = batch * T/cp. The expert ids of every cp
     rank are all-gathered (N*K integers, not differentiable), put back at their global positions

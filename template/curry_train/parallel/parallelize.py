@@ -27,6 +27,7 @@ from torch import nn
 from curry_train.config import Config
 from curry_train.mesh import Topology, dp_cp_mesh
 from curry_train.parallel.materialize import canonical_name, global_shapes, is_meta, materialize
+from curry_train.wrapping import data_parallel_wrapper, precision_path, shards_optimizer_only
 
 __all__ = ["Parallelized", "canonical_name", "grad_reduce_group", "parallelize"]
 
@@ -45,7 +46,6 @@ class Parallelized:
     stage_ids: list[int] = field(default_factory=list)  # pipeline stage index of each part
     loss_parallel: bool = False  # logits are vocab-sharded DTensors: compute the loss under loss_parallel()
     grad_sync: Callable[[bool], None] = lambda enabled: None  # skip the gradient reduction on accumulation steps
-    step_ctl: Any = None  # train.optim.StepControl: the optimizer step index the lr schedule and clip read
 
     def loss_context(self) -> AbstractContextManager:
         if self.loss_parallel:
@@ -65,7 +65,7 @@ class Parallelized:
 
     def autocast(self) -> AbstractContextManager:
         """bf16 compute for the layouts FSDP's MixedPrecisionPolicy does not cover (DDP, single process)."""
-        if self.cfg.train.dtype == "bfloat16" and not (self.topo.dp * self.topo.cp > 1 and self.cfg.parallel.zero >= 2):
+        if precision_path(self.cfg.train.dtype, self.topo.dp, self.topo.cp, self.cfg.parallel.zero) == "autocast":
             return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return nullcontext()
 
@@ -112,14 +112,14 @@ def parallelize(model: nn.Module, mesh: Any, cfg: Config, *, topo: Topology, dev
 
             apply_recompute(part, mesh, cfg)
         # 5. data parallel over dp x cp; the local shards are materialised after FSDP or before DDP.
-        fsdp = topo.dp * topo.cp > 1 and p.zero >= 2
-        if fsdp:
+        wrapper = data_parallel_wrapper(topo.dp, topo.cp, p.zero)  # wrapping.py: the one home of this rule
+        if wrapper == "fsdp":
             from curry_train.parallel.fsdp import apply_fsdp
 
             apply_fsdp(part, mesh, cfg)
         if meta:
             materialize(part, cfg, device, mesh, shapes)
-        if topo.dp * topo.cp > 1 and not fsdp:
+        if wrapper == "ddp":
             from curry_train.parallel.ddp import apply_ddp
 
             par.parts[i] = apply_ddp(part, mesh, cfg)
@@ -128,7 +128,7 @@ def parallelize(model: nn.Module, mesh: Any, cfg: Config, *, topo: Topology, dev
 
     # 6. optimizer on the final parameters.
     params = [q for part in par.parts for q in part.parameters()]
-    if p.zero == 1 and topo.dp * topo.cp > 1:
+    if shards_optimizer_only(topo.dp, topo.cp, p.zero):
         from curry_train.parallel.zero import build_zero1_optimizer
 
         par.optimizer = build_zero1_optimizer(params, mesh, cfg)

@@ -140,7 +140,7 @@ def build_schedule(par) -> Any:
             # ("rebuilt parameter indices size is not same as original model parameters size").
             part.require_backward_grad_sync = False
             # ... and with the flag off, expert_parallel's DDP hook would never reduce the expert shards:
-            # pipeline_forward_backward reduces them after the step instead (the PP+DDP+EP bug of issue 17).
+            # pipeline_forward_backward reduces them after the step instead.
             part._curry_manual_expert_sync = True
 
     def get_mesh(names: tuple[str, ...], layout: Any) -> Any:  # rebuilds received DTensors (SP activations)

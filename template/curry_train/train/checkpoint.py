@@ -203,6 +203,4 @@ def load(par, path: str | Path) -> int:
     except Exception as e:  # DCP's errors name a storage key; add what to do about it
         raise RuntimeError(f"checkpoint {folder} could not be read ({type(e).__name__}: {e}); it is missing a "
                            "shard or corrupt: resume from another step-NNNNNN folder") from e
-    if par.step_ctl is not None:
-        par.step_ctl.step = int(meta["step"])
     return int(meta["step"])

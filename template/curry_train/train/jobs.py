@@ -1,8 +1,13 @@
 """Jobs that run inside every rank, whichever launcher started the ranks (torchrun or the test forkserver).
 
-A job spec is a JSON-able dict: {"kind": <name in JOBS>, "config": <resolved config dict>, ...kind arguments,
-"out_dir": <run folder>}. `rank_job` resolves the kind to "module:function", calls function(spec) and returns
-its JSON-able value; files (tensors) go under spec["out_dir"].
+A job spec is a JSON-able dict: {"kind": <name>, "config": <resolved config dict>, ...kind arguments,
+"out_dir": <run folder>}, plus "job": "module:function" when the job lives above this layer. `rank_job` calls
+function(spec) and returns its JSON-able value; files (tensors) go under spec["out_dir"].
+
+Each job is named by the module that owns it: JOBS below holds this module's own (training, the launcher
+self-test); any other job's spec carries its "job", set by its owner (validation/whitebox.py `WHITEBOX_JOB`,
+measure/bench.py `BENCH_JOB`, measure/memory.py `MEMORY_JOB` and `memory_spec`), so nothing here names a module
+of another layer (tests/test_architecture.py counts such strings as imports).
 """
 
 from __future__ import annotations
@@ -10,14 +15,23 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-# kind -> "module:function(spec) -> JSON-able value"; each feature registers its own kind here.
+# kind -> "module:function(spec) -> JSON-able value", for the jobs defined here.
 JOBS = {
-    "train": "curry_train.train.jobs:train_job",
-    "whitebox": "curry_train.validation.whitebox:parallel_job",
-    "bench": "curry_train.measure.bench:bench_job",
-    "selftest": "curry_train.train.jobs:selftest_job",
-    "memory": "curry_train.measure.memory:memory_job",
+    "train": f"{__name__}:train_job",
+    "selftest": f"{__name__}:selftest_job",
 }
+
+
+def job_function(spec: dict[str, Any]) -> str:
+    """The "module:function" a spec runs: its own "job", else its kind's entry in JOBS."""
+    target = spec.get("job") or JOBS.get(spec.get("kind", ""))
+    if target is None:
+        raise ValueError(f"unknown job kind {spec.get('kind')!r}; known here: {sorted(JOBS)} (a job of another "
+                         "layer names its function in the spec's 'job', e.g. measure.memory.memory_spec)")
+    module, _, fn = target.partition(":")
+    if not module.startswith("curry_train.") or not fn:
+        raise ValueError(f"job {target!r}: expected 'curry_train.<module>:<function>'")
+    return target
 
 
 def train_job(spec: dict[str, Any]) -> dict[str, Any]:
@@ -71,9 +85,7 @@ def selftest_job(spec: dict[str, Any]) -> dict[str, Any]:
 
 def rank_job(rank: int, world: int, spec: dict[str, Any]) -> Any:
     """Entry point for the forkserver launcher (module-level, picklable); torchrun goes through rank_main."""
-    if spec["kind"] not in JOBS:
-        raise ValueError(f"unknown job kind {spec['kind']!r}; known: {sorted(JOBS)}")
-    module, fn = JOBS[spec["kind"]].split(":")
+    module, fn = job_function(spec).split(":")
     return getattr(importlib.import_module(module), fn)(spec)
 
 

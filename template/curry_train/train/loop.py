@@ -3,8 +3,10 @@
     python -m curry_train.train.loop --config configs/tiny.yaml                              # one process
     torchrun --nproc-per-node 2 -m curry_train.train.loop --config configs/tiny.yaml --set parallel.dp=2
 
-Each step builds only this rank's micro-batches of the global batch (model/data.py), accumulates gradients
-(reducing only on the last micro-step), then steps the optimizer. Logs loss, step time and tokens/s per step as JSON lines on stderr
+`train_step` is the one training step every caller runs (train, bench, climb, memory, the white-box's ranks):
+build only this rank's micro-batches of the global batch (model/data.py) and accumulate their gradients (reducing
+only on the last micro-step), clip, set the scheduled lr and step the optimizer (train/optim.py), zero the
+gradients. Logs loss, step time and tokens/s per step as JSON lines on stderr
 (stdout stays free for callers such as the MCP server).
 """
 
@@ -15,6 +17,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,7 +29,7 @@ from curry_train.mesh import Topology, build_mesh, device_type, node_layout
 from curry_train.model.data import rank_micro_batches
 from curry_train.model.gpt import aux_loss, build_meta_model
 from curry_train.parallel.parallelize import Parallelized, grad_reduce_group, parallelize
-from curry_train.train.optim import install as install_optim_hooks
+from curry_train.train.optim import optimizer_step
 
 
 def init_distributed(cfg: Config) -> torch.device:
@@ -64,12 +67,12 @@ def setup(cfg: Config, device: torch.device | None = None, *, model_hook=None) -
             raise ValueError(problem)
         if rank() == 0:
             print(problem, file=sys.stderr)
-    mesh = build_mesh(topo, device.type) if world > 1 else None
+    mesh = build_mesh(topo, device.type, dp_replicate=cfg.parallel.dp_replicate,
+                      experts=cfg.model.num_experts > 0) if world > 1 else None
     model = build_meta_model(cfg)
     if model_hook is not None:
         model_hook(model)
     par = parallelize(model, mesh, cfg, topo=topo, device=device)
-    par.step_ctl = install_optim_hooks(par.optimizer, cfg, par.parts, mesh)  # lr schedule + grad clip
     return par
 
 
@@ -118,10 +121,16 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
-def train_step(par: Parallelized, step: int) -> StepResult:
+def train_step(par: Parallelized, step: int, *,
+               after_backward: Callable[[torch.Tensor], None] | None = None) -> StepResult:
+    """Optimizer step `step`: forward and backward over this rank's micro-batches, clip, lr schedule, update,
+    zero the gradients. `after_backward(loss)` runs between the backward and the update, to read values out
+    (the white-box gathers the gradients there, validation/whitebox.py); it must not change them."""
     t0 = time.perf_counter()
     loss = forward_backward(par, step)
-    par.optimizer.step()
+    if after_backward is not None:
+        after_backward(loss)
+    optimizer_step(par.optimizer, par.parts, par.cfg, step, par.mesh)
     par.zero_grad()
     if par.device.type == "cuda":
         torch.cuda.synchronize(par.device)

@@ -1,13 +1,13 @@
-"""Learning-rate schedule and global-norm gradient clipping, applied in a step pre-hook of any optimizer.
+"""The optimizer step of every layout: global-norm gradient clipping, the learning-rate schedule, then the update.
 
     python -c "from curry_train.train.optim import lr_at; from curry_train.config import Config; \
                print([round(lr_at(Config(train={'lr_schedule': 'cosine', 'warmup_steps': 2, 'steps': 10}), s), 5) \
                       for s in range(10)])"
 
-`install(optimizer, cfg, parts, mesh)` registers a pre-hook on `optimizer.step` (plain AdamW, FSDP's AdamW over
-DTensors, ZeroRedundancyOptimizer alike), so the white-box reference and every layout run the same schedule and
-clip through whatever code calls `optimizer.step()`; the hook's step counter is the optimizer step index
-(`StepControl.step`, restored on resume).
+`optimizer_step(optimizer, parts, cfg, step, mesh)` is called explicitly by `train.loop.train_step` (plain AdamW,
+FSDP's AdamW over DTensors, ZeroRedundancyOptimizer alike) and by the white-box's single-device reference
+(validation/whitebox.reference), so both run the same clip and schedule; `step` is the optimizer step index
+(0 for the first update; a resume continues from the checkpoint's step).
 
 Schedule (train.lr_schedule, train.warmup_steps): linear warm-up lr*(s+1)/(w+1) for s < w (nanoGPT's), then
 constant, or cosine decay to lr/10 at train.steps (Loshchilov & Hutter 2017, "SGDR", eq. 5, one cycle).
@@ -34,14 +34,6 @@ import torch.distributed as dist
 from torch import nn
 
 from curry_train.config import Config
-
-
-class StepControl:
-    """The optimizer step index the schedule reads (set by a resume)."""
-
-    def __init__(self) -> None:
-        self.step = 0
-        self.last_grad_norm: float | None = None
 
 
 def lr_at(cfg: Config, step: int) -> float:
@@ -118,19 +110,14 @@ def clip_grads_(parts: list[nn.Module], cfg: Config, mesh: Any) -> float:
     return float(norm)
 
 
-def install(optimizer: torch.optim.Optimizer, cfg: Config, parts: list[nn.Module], mesh: Any = None) -> StepControl:
-    """Run the lr schedule and the clip before every `optimizer.step()`; returns the step counter."""
-    ctl = StepControl()
-    if cfg.train.lr_schedule == "constant" and cfg.train.warmup_steps == 0 and cfg.train.grad_clip == 0:
-        return ctl  # nothing to do: keep the step path untouched
-
-    def pre_hook(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        lr = lr_at(cfg, ctl.step)
-        for group in opt.param_groups:
-            group["lr"] = lr
-        if cfg.train.grad_clip > 0:
-            ctl.last_grad_norm = clip_grads_(parts, cfg, mesh)
-        ctl.step += 1
-
-    optimizer.register_step_pre_hook(pre_hook)
-    return ctl
+def optimizer_step(optimizer: torch.optim.Optimizer, parts: list[nn.Module], cfg: Config, step: int,
+                   mesh: Any = None) -> float | None:
+    """Update the parameters from their accumulated gradients for optimizer step `step` (every rank calls it):
+    clip to train.grad_clip by the global norm (if > 0), set every param group's lr to `lr_at(cfg, step)`, step.
+    Returns the pre-clip global gradient norm, or None when clipping is off (the norm is then not computed)."""
+    norm = clip_grads_(parts, cfg, mesh) if cfg.train.grad_clip > 0 else None
+    lr = lr_at(cfg, step)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    optimizer.step()
+    return norm

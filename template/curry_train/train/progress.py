@@ -4,7 +4,7 @@ JSON lines (train/loop.py `run_training(log=...)`) into short lines at a bounded
     with follow_steps(run_dir / "ranks.log", total=20, say=print):
         run_torchrun(...)
 
-`curry-train train` was silent for ~48 s on 2 cores (issue 20 item 8): torchrun start, torch import in every rank,
+`curry-train train` was silent for ~48 s on 2 cores: torchrun start, torch import in every rank,
 model build, then the steps. The first line goes out at launch; step lines come at most every `interval` seconds
 (plus the first and the last step), so a 10k-step run does not flood the terminal.
 """

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from curry_train.config import Config
+from curry_train.wrapping import data_parallel_wrapper, dp_group_size, shards_optimizer_only
 
 
 class WhiteboxInputError(ValueError):
@@ -47,21 +48,25 @@ class Injection:
 
 
 def _dp_cp(cfg: Config) -> int:
-    return cfg.parallel.dp * cfg.parallel.cp
+    return dp_group_size(cfg.parallel.dp, cfg.parallel.cp)
+
+
+def _wrapper(cfg: Config) -> str:
+    return data_parallel_wrapper(cfg.parallel.dp, cfg.parallel.cp, cfg.parallel.zero)
 
 
 def _needs_ddp(cfg: Config) -> str | None:
     if _dp_cp(cfg) < 2:
         return f"needs data parallelism (dp*cp > 1; here dp={cfg.parallel.dp} cp={cfg.parallel.cp}): with one " \
                "replica there is no gradient reduction to leave out"
-    if cfg.parallel.zero >= 2:
+    if _wrapper(cfg) != "ddp":
         return f"plants in DDP's all-reduce, but parallel.zero={cfg.parallel.zero} uses FSDP; use zero 0 or 1, " \
                "or inject fsdp-grad-sum"
     return None
 
 
 def _needs_zero1(cfg: Config) -> str | None:
-    if cfg.parallel.zero != 1 or _dp_cp(cfg) < 2:
+    if not shards_optimizer_only(cfg.parallel.dp, cfg.parallel.cp, cfg.parallel.zero):
         return f"needs ZeRO-1 (parallel.zero=1 with dp*cp > 1; here zero={cfg.parallel.zero}, dp*cp={_dp_cp(cfg)})"
     if cfg.train.weight_decay <= 0:
         return "drops weight decay, which is 0 here: set train.weight_decay=0.1 or the bug changes nothing"
@@ -69,14 +74,14 @@ def _needs_zero1(cfg: Config) -> str | None:
 
 
 def _needs_fsdp(cfg: Config) -> str | None:
-    if cfg.parallel.zero < 2 or _dp_cp(cfg) < 2:
+    if _wrapper(cfg) != "fsdp":
         return f"needs FSDP (parallel.zero >= 2 with dp*cp > 1; here zero={cfg.parallel.zero}, dp*cp={_dp_cp(cfg)})"
     return None
 
 
 def _needs_hsdp(cfg: Config) -> str | None:
     r, z = cfg.parallel.dp_replicate, cfg.parallel.zero
-    if r < 2 or z < 2:
+    if r < 2 or _wrapper(cfg) != "fsdp":
         return f"needs HSDP (parallel.dp_replicate > 1 with parallel.zero >= 2; here dp_replicate={r}, zero={z}): " \
                "without replica groups there is no all-reduce across them to skip"
     return None
@@ -155,13 +160,16 @@ CATALOGUE: dict[str, Injection] = {i.name: i for i in (
               "tiny dp=2", {"config": "tiny", "parallel.dp": 2}, r".", _needs_dp),
     Injection("replica-lr", "replicas", "ranks other than 0 step with 10x the learning rate, so the replicas drift "
               "apart", "tiny dp=2", {"config": "tiny", "parallel.dp": 2}, "rank", _needs_replicas),
+    Injection("zero-grad-noop", "step", "the training step's zero-grad does nothing: each step's gradients add to "
+              "the previous steps' (caught from step 1 on: steps >= 2)", "tiny dp=2",
+              {"config": "tiny", "parallel.dp": 2}, r"."),
 )}
 
 
 def check(name: str, cfg: Config) -> Injection:
     """The catalogue entry for `name` if it can apply to `cfg`; raises InjectionError saying why not."""
     if name not in CATALOGUE:
-        raise InjectionError(f"unknown injection {name!r}; use one of: {', '.join(CATALOGUE)} "
+        raise InjectionError(f"unknown injection {name!r}: use one of {', '.join(CATALOGUE)} "
                              "(--list-injections describes them)")
     inj = CATALOGUE[name]
     why = inj.needs(cfg)

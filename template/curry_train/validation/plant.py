@@ -211,12 +211,26 @@ def data_same_rows(stack, cfg: Config, target: str | None) -> Planted:
 
 
 def replica_lr(stack, cfg: Config, target: str | None) -> Planted:
-    """Ranks other than 0 step with 10x the learning rate (a per-rank schedule or a config read per host)."""
+    """Ranks other than 0 step with 10x the learning rate (a per-rank schedule or a config read per host): the
+    schedule train.optim.optimizer_step reads each step (by module attribute) returns 10x there."""
+    from curry_train.train import optim
+
+    exact = optim.lr_at
 
     def after(par: Any) -> None:
         if _rank() != 0:
-            for g in _param_groups(par.optimizer):
-                g["lr"] = g["lr"] * 10
+            _patch(stack, optim, "lr_at", lambda cfg, step: 10 * exact(cfg, step))
+
+    return Planted(after_setup=after)
+
+
+def zero_grad_noop(stack, cfg: Config, target: str | None) -> Planted:
+    """The training step's zero-grad does nothing (e.g. an in-place zeroing that never reaches DDP's bucket
+    views): every step's gradients are added to the previous steps' (train.loop.train_step calls
+    Parallelized.zero_grad; the step after the first reads the sum of two steps' gradients)."""
+
+    def after(par: Any) -> None:
+        par.zero_grad = lambda: None
 
     return Planted(after_setup=after)
 
@@ -232,4 +246,5 @@ PLANTERS = {
     "cp-local-lse": cp_local_lse,
     "data-same-rows": data_same_rows,
     "replica-lr": replica_lr,
+    "zero-grad-noop": zero_grad_noop,
 }

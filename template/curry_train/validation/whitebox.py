@@ -6,8 +6,11 @@
 Reference (one process, independent of the parallel code): the full model from the same seed, plain AdamW, and
 the step's global batch taken from the data source as one device would: all its sequences in order, accumulated
 over micro-batches of the same number of sequences (train.micro_batch), full-length, never through the ranks'
-slicing function (model/data.micro_batches). A data-partition bug is therefore not reproduced on both sides.
-Parallel: N ranks through the launcher; after each backward every parameter's gradient is gathered to full
+slicing function (model/data.micro_batches). A data-partition bug is therefore not reproduced on both sides. Its
+update is the ranks' own optimizer step (train/optim.py optimizer_step: clip, lr schedule, AdamW step).
+Parallel: N ranks through the launcher, each running the training step that `train`, `bench` and `climb` run
+(train.loop.train_step: micro-batches, clip, lr schedule, update, zero-grad); its `after_backward` hook only reads:
+after each backward every parameter's gradient is gathered to full
 shape (DTensor.full_tensor for FSDP/TP, stage dicts for PP, expert shards for EP) under its reference name, and
 after the last step every rank's parameters (validation/compare.py: checksummed across replicas, divergent
 copies compared too). `--inject NAME` plants one known bug (validation/inject.py) in the ranks only.
@@ -142,13 +145,17 @@ def replica_copies(local: dict[str, torch.Tensor]) -> tuple[dict[int, dict[str, 
     return {r: d for r, d in enumerate(got) if d}, holders
 
 
+WHITEBOX_JOB = f"{__name__}:parallel_job"  # the rank-side job of a white-box spec (train/jobs.py resolves it)
+
+
 def parallel_job(spec: dict[str, Any]) -> dict[str, Any]:
-    """Rank side: train `steps` steps (with the planted bug, if any), gathering grads after each backward and
-    every rank's params after each update."""
+    """Rank side: `steps` steps of the real training step (train.loop.train_step: zero-grad, micro-batches, clip,
+    lr schedule, update), with the planted bug if any; its `after_backward` hook gathers the gradients before the
+    update, and every rank's parameters are gathered after it."""
     import torch.distributed as dist
 
     from curry_train.mesh import device_type
-    from curry_train.train.loop import forward_backward, init_distributed, setup
+    from curry_train.train.loop import init_distributed, setup, train_step
     from curry_train.validation.plant import planted
 
     cfg = from_dict(spec["config"])
@@ -157,11 +164,12 @@ def parallel_job(spec: dict[str, Any]) -> dict[str, Any]:
         par = setup(cfg, device, model_hook=bug.model_hook)
         bug.after_setup(par)
         losses, grads, params, replicas, holders = [], [], [], [], []
-        for step in range(spec.get("steps", 2)):
-            losses.append(float(forward_backward(par, step)))
+
+        def read_grads(loss: torch.Tensor) -> None:  # reads only: the step goes on with the same gradients
             grads.append(gather_full(par, "grad"))
-            par.optimizer.step()
-            par.optimizer.zero_grad(set_to_none=True)
+
+        for step in range(spec.get("steps", 2)):
+            losses.append(train_step(par, step, after_backward=read_grads).loss)
             local = _local_full(par, "param")  # after every update: the first wrong step is the one named
             params.append(_merge_on_rank0(par, local))
             copies, held = replica_copies(local)
@@ -179,11 +187,12 @@ def parallel_job(spec: dict[str, Any]) -> dict[str, Any]:
 
 def reference(cfg: Config, steps: int) -> dict[str, Any]:
     """The single-device reference: same seed, the step's global batch in order in micro-batches of
-    train.micro_batch sequences (full length), fp32, plain AdamW. On CUDA: one GPU, TF32 off, deterministic."""
+    train.micro_batch sequences (full length), fp32, plain AdamW, updated by the ranks' own optimizer step
+    (train/optim.py optimizer_step: the same clip and lr schedule). On CUDA: one GPU, TF32 off, deterministic."""
     from curry_train.mesh import device_type
     from curry_train.model.data import global_batch
     from curry_train.model.gpt import aux_loss, build_model, lm_loss
-    from curry_train.train.optim import install
+    from curry_train.train.optim import optimizer_step
 
     dev = device_type(cfg)
     device = torch.device("cuda", 0) if dev == "cuda" else torch.device("cpu")
@@ -195,9 +204,9 @@ def reference(cfg: Config, steps: int) -> dict[str, Any]:
         model = build_model(ref_cfg).to(device)
         before = {k: p.detach().cpu().clone() for k, p in model.named_parameters()}
         opt = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
-        install(opt, cfg, [model])  # the same lr schedule and grad clip as the ranks (train/optim.py)
         losses, grads, params = [], [], []
         for step in range(steps):
+            opt.zero_grad(set_to_none=True)
             inputs, targets = global_batch(cfg, step)  # [global_batch, T]: every sequence of the step
             k = inputs.shape[0] // mb  # micro-batches of mb sequences, in order
             total = 0.0
@@ -209,8 +218,7 @@ def reference(cfg: Config, steps: int) -> dict[str, Any]:
                 total += loss.item() / k
             losses.append(total)
             grads.append({n: p.grad.detach().float().cpu().clone() for n, p in model.named_parameters()})
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+            optimizer_step(opt, [model], ref_cfg, step)
             params.append({n: p.detach().cpu().clone() for n, p in model.named_parameters()})
     return {"losses": losses, "grads": grads, "params": params, "params_before": before}
 
@@ -234,7 +242,7 @@ def _spec(cfg: Config, steps: int, tag: str, inject: str | None, target: str | N
         from curry_train.validation.inject import check
 
         check(inject, cfg)  # unknown name or wrong layout: refused before anything starts
-    return {"kind": "whitebox", "config": cfg.to_dict(), "steps": steps, "tag": tag, "inject": inject,
+    return {"kind": "whitebox", "job": WHITEBOX_JOB, "config": cfg.to_dict(), "steps": steps, "tag": tag, "inject": inject,
             "inject_target": target}
 
 
