@@ -10,9 +10,10 @@ HSDP when FSDP spans nodes (parallel.dp_replicate: the shard group inside a node
 the planner searches). Among the options that fit, have no anti-pattern and gain, the lightest rung of the
 ladder within 10% of the fastest wins (the planner's rule, advice/search.py).
 
-remove (issue 20: "never preemptively"): the heaviest primitive first (CP, EP, PP, TP, HSDP, full -> selective
-recompute, a lower ZeRO stage) whose removal still fits, has no anti-pattern and keeps the step within 10% of
-the current one.
+remove: the heaviest primitive first (CP, EP, PP, TP, HSDP, full -> selective recompute, a lower ZeRO stage)
+whose removal pays: it does nothing where it is (ZeRO at dp x cp = 1, layout_warnings.py), or its removal fits,
+has no anti-pattern and gains at least REMOVE_GAIN of the step (itself, or with the memory it frees spent on a
+doubled micro-batch). A removal within the planner's tie band is churn, not advice.
 """
 
 from __future__ import annotations
@@ -27,6 +28,9 @@ from curry_train.rules import WITHIN, anti_patterns, ep_allowed, hsdp_replicas, 
 WEIGHT = {"dp": 0, "micro_batch": 0, "zero": 1, "hsdp": 1, "recompute": 2, "tp": 3, "pp": 4, "ep": 5, "cp": 6}
 DP_COMM = ("dp", "zero1", "fsdp", "hsdp")
 GAIN = 0.02  # an option must save at least 2% of the step to be worth a change
+# Removing a primitive the user put in place is a change to a working layout: it must gain more than the band in
+# which the planner calls two layouts a tie (rules.WITHIN, 10%), or do nothing at all where it is.
+REMOVE_GAIN = WITHIN
 
 
 def _new_anti(cfg: Config, patch: dict[str, Any]) -> list[str]:
@@ -148,8 +152,30 @@ def _removals(cfg: Config) -> list[tuple[str, list[dict[str, Any]]]]:
     return out
 
 
+def _pointless(cfg: Config, prim: str) -> str | None:
+    """Why a primitive in place does nothing (layout_warnings.py), or None."""
+    p = cfg.parallel
+    if prim == "zero" and p.dp * p.cp == 1:
+        return "ZeRO shards over the data-parallel ranks and dp x cp = 1 here (nothing to shard over)"
+    return None
+
+
+def _spend(c: Ctx, patch: dict[str, Any]) -> tuple[dict[str, Any], Estimate] | None:
+    """The removal with the memory it frees spent on a doubled micro-batch, when that fits, is valid and clean."""
+    t = c.cfg.train
+    if t.global_batch % (c.cfg.parallel.dp * 2 * t.micro_batch):
+        return None
+    both = {**patch, "train.micro_batch": 2 * t.micro_batch}
+    alt = c.weigh(f"remove and micro_batch {2 * t.micro_batch}", both)
+    if alt.after is None or alt.after.memory.total > c.est.usable_bytes or not _clean(c.cfg, both):
+        return None
+    return both, alt.after
+
+
 def remove(c: Ctx) -> Decision:
-    """The heaviest primitive in place that the estimate says is unnecessary; `nothing` when each is needed."""
+    """The heaviest primitive in place whose removal pays: it does nothing (ZeRO at dp x cp = 1), or taking it
+    out gains at least REMOVE_GAIN of the step, or frees memory that a doubled micro-batch turns into that gain;
+    `nothing` when each is needed."""
     cfg, st = c.cfg, c.est.step_time
     needed: list[dict[str, Any]] = []
     for prim, patches in _removals(cfg):
@@ -160,20 +186,31 @@ def remove(c: Ctx) -> Decision:
             if e is None:
                 why = why or {"refused": alt.refused}
                 continue
+            facts = {"before_step": st.total_s, "after_step": e.step_time.total_s, "before_total": c.est.memory.total,
+                     "after_total": e.memory.total, "value": _value(cfg, prim),
+                     "patch": ", ".join(f"{k}={v}" for k, v in patch.items())}
+            pointless = _pointless(cfg, prim)
+            if pointless and e.memory.total <= c.est.usable_bytes:
+                return Decision(prim, patch, e, "remove_pointless", {**facts, "why": pointless}, action="remove")
             if e.memory.total > c.est.usable_bytes:
                 why = why or {"over": e.memory.total}
-                continue
-            if e.step_time.total_s > st.total_s * (1 + WITHIN):
-                why = why or {"slower": e.step_time.total_s}
                 continue
             if not _clean(cfg, patch):
                 why = why or {"anti": _new_anti(cfg, patch)}
                 continue
-            return Decision(prim, patch, e, "remove", {"before_step": st.total_s, "after_step": e.step_time.total_s,
-                                                       "before_total": c.est.memory.total,
-                                                       "after_total": e.memory.total, "value": _value(cfg, prim),
-                                                       "patch": ", ".join(f"{k}={v}" for k, v in patch.items())},
-                            action="remove")
+            gain = e.step_time.total_s / st.total_s - 1 if st.total_s else 0.0
+            if gain > -REMOVE_GAIN and e.memory.total < c.est.memory.total:  # it frees memory: spend it
+                spent = _spend(c, patch)
+                if spent and spent[1].step_time.total_s <= st.total_s * (1 - REMOVE_GAIN):
+                    both, e2 = spent
+                    return Decision(prim, both, e2, "remove", {
+                        **facts, "after_step": e2.step_time.total_s, "after_total": e2.memory.total,
+                        "gain": e2.step_time.total_s / st.total_s - 1, "micro_batch": both["train.micro_batch"],
+                        "patch": ", ".join(f"{k}={v}" for k, v in both.items())}, action="remove")
+            if gain > -REMOVE_GAIN:
+                why = why or {"gain": gain, "step": e.step_time.total_s}
+                continue
+            return Decision(prim, patch, e, "remove", {**facts, "gain": gain}, action="remove")
         needed.append({"name": prim, "value": _value(cfg, prim), **(why or {})})
     return Decision("none", {}, None, "nothing", {"needed": needed}, action="none")
 
@@ -185,18 +222,23 @@ def _value(cfg: Config, prim: str) -> str:
             "recompute": f"recompute={p.recompute}", "zero": f"zero={p.zero}"}[prim]
 
 
-def decide(c: Ctx, symptom: str, measured: bool) -> Decision:
-    """The answer for `symptom`: an estimated OOM first whatever the symptom; a given OOM the estimate does not
-    show needs a measurement; "slow" (given, or derived: communication-bound) weighs the levers; otherwise, or
-    when a derived "slow" finds no lever, the unnecessary primitive in place, if any."""
-    if c.est.memory.total > c.est.usable_bytes:
+def decide(c: Ctx, symptom: str, evidence: str) -> Decision:
+    """The answer for `symptom` given the `evidence` of an OOM (decide.oom_evidence): an estimated, measured or
+    within-band OOM climbs the OOM ladder; an unconfirmed one names that rung for if a measurement confirms it;
+    "slow" weighs every lever and every removal the no-symptom path weighs and takes the faster; otherwise the
+    primitive in place whose removal gains, if any."""
+    if evidence in ("estimate", "measured", "within_band"):
         return oom(c)
-    if symptom == "oom":
-        if not measured:
-            return Decision("none", {}, None, "oom_unmeasured", {}, action="none")
-        return oom(c)
+    if evidence == "unconfirmed":
+        nxt = oom(c)  # the rung an OOM would get, for if the measurement confirms it
+        return Decision("none", {}, None, "oom_unmeasured", {"next_patch": nxt.patch, "next": nxt.primitive},
+                        action="none")
     if symptom == "slow":
         d = slow(c)
+        r = remove(c)
+        if r.action == "remove" and (d.action == "none" or r.after.step_time.total_s < d.after.step_time.total_s):
+            return r
         if d.action != "none" or c.symptom_given:
             return d
-    return remove(c)  # nothing wrong (or nothing speeds it up): is a primitive in place unnecessary?
+        return r
+    return remove(c)  # nothing wrong: is a primitive in place costing time?
