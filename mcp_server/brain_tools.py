@@ -159,7 +159,12 @@ def plan(
     gpu_memory_gib: Annotated[float, Field(gt=0, le=4096, description="Memory per accelerator, GiB (e.g. 80).")],
     seq_len: Annotated[int, Field(ge=2, le=10_000_000, description="Tokens per sequence.")],
     global_batch: Annotated[int, Field(ge=1, le=100_000_000, description="Sequences per optimizer step.")],
-    micro_batch: Annotated[int, Field(ge=1, description="Sequences per data-parallel rank per forward.")] = 1,
+    micro_batch: Annotated[int | None, Field(ge=1, description="Sequences per data-parallel rank per forward, kept "
+                                                   "on every layout (default: searched).")] = None,
+    search_micro_batch: Annotated[bool | None, Field(description="Search the micro-batch (default: only when "
+                                                     "micro_batch is not given); a change is stated in hints.")] = None,
+    margin: Annotated[float, Field(ge=0.0, lt=1.0, description="Extra fraction of usable memory to keep free, "
+                                                               "as the CLI's --margin.")] = 0.0,
     hardware: Annotated[str | None, Field(description=f"Hardware profile: one of {_NAMES} (default: "
                                                       "guessed from gpu_memory_gib).")] = None,
     plot: Annotated[bool, Field(description="Also return a PNG: the pipeline-schedule timeline of the final layout "
@@ -178,7 +183,7 @@ def plan(
         # a named gpu sets the speed, and the budget where its memory is below gpu_memory_gib
         hardware, budget = gpu_budget(gpu, gpu_memory_gib, hardware)
         p = make_plan(model, gpus_per_node, nodes, budget, seq_len, global_batch, micro_batch=micro_batch,
-                      hardware=hardware, root=root())
+                      search_micro_batch=search_micro_batch, margin=margin, hardware=hardware, root=root())
     except (ConfigError, UnsafeName, FileNotFoundError, KeyError, ValueError) as e:
         raise tool_error(e) from None
     return _json_result(p, _plan_png(p) if plot else None)

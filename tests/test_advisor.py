@@ -125,7 +125,7 @@ def test_a_given_oom_that_the_estimate_does_not_show_asks_for_a_measurement():
     assert "measured_peak_bytes" in r.reason and "measured OOM" not in r.reason
     r = recommend_next("tiny", "oom", measured_peak_bytes=2 * 2**30)  # a measurement over the 1 GiB budget
     assert r.primitive == "recompute" and r.memory_after_bytes < r.memory_before_bytes
-    assert "measured peak above the budget" in r.reason
+    assert "measured peak (2.00 GiB) above" in r.reason
 
 
 def test_an_estimated_oom_comes_first_whatever_the_symptom():
@@ -143,15 +143,17 @@ def test_the_8b_preset_relaxes_full_recompute_and_the_plan_agrees():
     assert plan("llama3-8b", 8, 1, 80.0, 8192, 512).final["recompute"] in ("none", "selective")
 
 
-def test_the_70b_preset_drops_tensor_parallel_by_its_own_numbers_and_the_plan_agrees():
+def test_the_70b_preset_keeps_tensor_parallel_whose_removal_gains_only_a_tie():
+    """Removing TP 8 gains about 4% of the step, inside the 10% the planner counts as a tie: the advice is to keep
+    it (churn is not advice), and the reason says what removing it would gain."""
     from curry_train.advice.planner import plan
+    from curry_train.advice.tune import REMOVE_GAIN
 
     r = recommend_next("llama3-70b")
-    assert r.action == "remove" and r.primitive == "tp"
-    assert r.config_patch == {"parallel.tp": 1, "parallel.sp": False, "parallel.dp": 32}
-    assert r.fits_after and r.step_time_after_s <= r.step_time_before_s * 1.10
-    assert "tp=8 is unnecessary" in r.reason
-    assert plan("llama3-70b", 8, 4, 80.0, 8192, 1024).final["tp"] < 8
+    assert r.action == "none" and r.config_patch == {}
+    assert "tp=8: without it" in r.reason and f"not the {REMOVE_GAIN:.0%} gain" in r.reason
+    p = plan("llama3-70b", 8, 4, 80.0, 8192, 1024)
+    assert p.final_step_time_s > r.step_time_before_s * (1 - REMOVE_GAIN)  # the plan finds nothing 10% faster
 
 
 def test_slow_weighs_every_lever_with_numbers_and_names_refusals_as_such():
@@ -174,9 +176,13 @@ def test_slow_weighs_every_lever_with_numbers_and_names_refusals_as_such():
 
 
 def test_a_bubble_bound_pipeline_gets_a_better_schedule():
-    r = recommend_next("gpt3-175b", "slow", {"train.global_batch": 256})
+    r = recommend_next("gpt3-175b", "slow", {"train.global_batch": 256, "parallel.recompute": "none"})
     assert r.primitive == "pp" and r.config_patch["parallel.pp_virtual"] >= 2
     assert r.step_time_after_s < r.step_time_before_s and "bubble" in r.reason
+    # with full recompute in place, dropping it gains more than any schedule: "slow" takes the faster answer
+    r = recommend_next("gpt3-175b", "slow", {"train.global_batch": 256})
+    sched = [a for a in r.alternatives if a.change.startswith("pipeline schedule") and a.fits]
+    assert r.action == "remove" and sched and r.step_time_after_s <= min(a.step_time_s for a in sched)
 
 
 def test_long_context_weighs_cp_against_tp_by_step_time():

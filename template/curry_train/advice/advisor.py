@@ -155,7 +155,6 @@ def recommend_next(config: str | Path | dict[str, Any] | Config, symptom: Sympto
     d = decide(c, symptom, evidence)
     reason = render(d, est, target, asked, evidence, measured_peak_bytes)
     primitive, patch, more = d.primitive, d.patch, d.more_gpus
-    reason = render(d, est, target, asked)
     after = d.after or est
     action = "remove" if d.action == "remove" else ("add" if patch else "none")
     name = config if isinstance(config, str) else "<config>"

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from curry_train.advice.search import min_nodes_to_fit
+from curry_train.advice.search import PEAK_ERROR_BAND, min_nodes_to_fit  # the estimator's error band
 from curry_train.config import Config, ConfigError, from_dict
 from curry_train.estimator import Estimate, estimate
 from curry_train.rules import (
@@ -26,11 +26,6 @@ from curry_train.rules import (
     pp_sizes,
     tp_allowed,
 )
-
-# The estimator's stated error on the per-rank peak: benchmarks/estimator_accuracy.py's target for the total
-# against the exact live-tensor tracker (BENCHMARKS.md: <= 3%, 1.73% the largest measured). An estimate whose
-# headroom is inside this fraction of the usable budget is no evidence against an observed OOM.
-PEAK_ERROR_BAND = 0.03
 
 Primitive = Literal["none", "recompute", "zero", "zero1", "zero2", "zero3", "hsdp", "tp", "pp", "ep", "cp", "dp",
                     "micro_batch"]

@@ -161,11 +161,16 @@ def _pointless(cfg: Config, prim: str) -> str | None:
 
 
 def _spend(c: Ctx, patch: dict[str, Any]) -> tuple[dict[str, Any], Estimate] | None:
-    """The removal with the memory it frees spent on a doubled micro-batch, when that fits, is valid and clean."""
+    """The removal with a doubled micro-batch (fewer per-micro-batch gathers), when that fits, is valid and clean
+    and the doubled micro-batch alone does not already fit (then the micro-batch, not the removal, is the gain)."""
     t = c.cfg.train
     if t.global_batch % (c.cfg.parallel.dp * 2 * t.micro_batch):
         return None
     both = {**patch, "train.micro_batch": 2 * t.micro_batch}
+    alone = c.weigh(f"double micro_batch to {2 * t.micro_batch}", {"train.micro_batch": 2 * t.micro_batch})
+    if alone.after is not None and alone.after.memory.total <= c.est.usable_bytes and \
+            alone.after.step_time.total_s <= c.est.step_time.total_s * (1 - REMOVE_GAIN):
+        return None
     alt = c.weigh(f"remove and micro_batch {2 * t.micro_batch}", both)
     if alt.after is None or alt.after.memory.total > c.est.usable_bytes or not _clean(c.cfg, both):
         return None
@@ -199,7 +204,7 @@ def remove(c: Ctx) -> Decision:
                 why = why or {"anti": _new_anti(cfg, patch)}
                 continue
             gain = e.step_time.total_s / st.total_s - 1 if st.total_s else 0.0
-            if gain > -REMOVE_GAIN and e.memory.total < c.est.memory.total:  # it frees memory: spend it
+            if gain > -REMOVE_GAIN:  # not enough alone: does the larger micro-batch it leaves room for pay?
                 spent = _spend(c, patch)
                 if spent and spent[1].step_time.total_s <= st.total_s * (1 - REMOVE_GAIN):
                     both, e2 = spent

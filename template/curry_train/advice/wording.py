@@ -189,7 +189,8 @@ _REASON: dict[str, Callable[[str, dict[str, Any], Estimate, Any], str]] = {
         f"Optional improvement: {f['value']} costs {-f['gain']:.0%} of the step; with {f['patch']} the "
         f"{_steps(f['before_step'], f['after_step'])}, peak {_gib(f['after_total'])} of {_budget(b)} (was "
         f"{_gib(f['before_total'])})"
-        + (f", the memory it frees spent on micro-batch {f['micro_batch']}" if f.get("micro_batch") else "")
+        + (f", with micro-batch {f['micro_batch']}: the larger micro-batch fits and pays only without it"
+           if f.get("micro_batch") else "")
         + f"; a change gains at least {REMOVE_GAIN:.0%} (what the planner counts as a tie) to be worth making. "
         f"Apply {f['patch']}."),
     "remove_pointless": lambda h, f, b, e: (
