@@ -130,6 +130,24 @@ class Ctx:
                 best = (patch, e)  # not a fit, but a step down
         return best
 
+    def fastest_fit(self, name: str, patches: list[dict[str, Any]]) -> tuple[dict[str, Any], Estimate] | None:
+        """Of the valid patches whose estimate fits, the one with the shortest step (sizes are weighed by what
+        they cost, not by which comes first); without a fit, first_fit's step down."""
+        fits: list[tuple[dict[str, Any], Estimate]] = []
+        for patch in patches:
+            alt = self.weigh(name, patch)
+            if alt.after is not None and self.fits(alt.after):
+                fits.append((patch, alt.after))
+        if not fits:
+            self.alts = [a for a in self.alts if a.patch not in patches]  # first_fit weighs them again
+            return self.first_fit(name, patches)
+        best = min(fits, key=lambda pe: pe[1].step_time.total_s)
+        for patch, e in fits:
+            if patch is not best[0]:
+                self.reject("slower_fit", name=name, patch=patch, step=e.step_time.total_s,
+                            chosen_step=best[1].step_time.total_s)
+        return best
+
     def took(self, primitive: Primitive, kind: str, patch: dict[str, Any], e: Estimate, **facts: Any) -> Decision:
         return Decision(primitive, patch, e, kind, {"fits": self.fits(e), "total": e.memory.total, **facts})
 
@@ -235,8 +253,7 @@ def oom(c: Ctx) -> Decision:
                  threshold=ACT_SHARE_FOR_CP)
     if ep_allowed(m) and p.ep == 1 and p.dp > 1:
         sizes = [e for e in divisors(m.num_experts) if e > 1 and p.dp % e == 0]
-        sizes.sort(key=lambda e: (e * p.cp * p.tp > h.gpus_per_node, e))  # inside a node first
-        got = c.first_fit("ep", [{"parallel.ep": e} for e in sizes])
+        got = c.fastest_fit("ep", [{"parallel.ep": e} for e in sizes])
         if got is not None:
             patch, e = got
             return c.took("ep", "ep", patch, e, per_rank=m.num_experts // patch["parallel.ep"])

@@ -60,6 +60,8 @@ def _cp_need_why(f: dict[str, Any]) -> str:
 _REJECTED: dict[str, Callable[[dict[str, Any]], str]] = {
     "invalid": lambda f: f"{f['name']} {f['patch']}: refused by the config rules ({f['why']})",
     "refused": lambda f: f"{f['name']}: refused by the config rules, not by memory ({f['why']})",
+    "slower_fit": lambda f: (f"{f['name']} {f['patch']}: fits, {f['step']:.3g} s per step against "
+                             f"{f['chosen_step']:.3g} s for the size taken"),
     "still_over": lambda f: f"{f['name']} {f['patch']}: {_gib(f['total'])} still over",
     "one_device_recompute_first": lambda f: "zero/tp/pp: one device; recompute is the first rung (it costs FLOPs, "
                                             "not GPUs)",
@@ -152,7 +154,8 @@ _REASON: dict[str, Callable[[str, dict[str, Any], Estimate, Any], str]] = {
         f"{_steps(b.step_time.total_s, e.step_time.total_s)}."),
     "ep": lambda h, f, b, e: (
         f"{h}. A mixture of experts at full sharding: expert parallel puts {f['per_rank']} experts on each rank "
-        f"and routes tokens by all-to-all: {_gib(f['total'])}{_over(f)}."),
+        f"and routes tokens by all-to-all: {_gib(f['total'])}{_over(f)}, {_steps(b.step_time.total_s, e.step_time.total_s)}"
+        f"{'' if not f['fits'] else ', the fastest of the sizes that fit'}."),
     "tp": lambda h, f, b, e: (
         f"{h}, with zero={f['zero']} and recompute={f['recompute']}. Tensor parallel (+ sequence parallel unless "
         f"CP shards the sequence) inside a node splits every layer's weights and activations {f['tp']} ways over "
