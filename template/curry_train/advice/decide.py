@@ -282,7 +282,13 @@ def oom(c: Ctx) -> Decision:
                       zero=p.zero, recompute=p.recompute, link=c.est.hardware.name,
                       link_gbps=c.est.hardware.intra_node_gbps)
     if pp_allowed(h.nodes):
-        got = c.first_fit("pp", _pp_patches(cfg))
+        pps = _pp_patches(cfg)
+        got = c.first_fit("pp", pps)
+        kept = [a for a in c.alts if a.patch in pps and a.after is not None and a.after.memory.param_copies > 0
+                and not c.fits(a.after)]
+        if kept and (got is None or not c.fits(got[1])):  # this template's PP x FSDP keeps units gathered
+            a = min(kept, key=lambda a: a.after.memory.total)
+            c.reject("pp_fsdp_units", patch=a.patch, total=a.after.memory.total, copies=a.after.memory.param_copies)
         if got is not None:
             patch, e = got
             return c.took("pp", "pp", patch, e, nodes=h.nodes, pp=patch["parallel.pp"], dp_before=p.dp,

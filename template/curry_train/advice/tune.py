@@ -25,7 +25,8 @@ from curry_train.config import Config, from_dict
 from curry_train.estimator import Estimate
 from curry_train.rules import WITHIN, anti_patterns, ep_allowed, hsdp_replicas, pp_allowed, tp_allowed
 
-WEIGHT = {"dp": 0, "micro_batch": 0, "zero": 1, "hsdp": 1, "recompute": 2, "tp": 3, "pp": 4, "ep": 5, "cp": 6}
+WEIGHT = {"dp": 0, "micro_batch": 0, "zero": 1, "hsdp": 1, "recompute": 2, "tp": 3, "pp": 4, "ep": 5, "cp": 6,
+          "plan": 7}  # the planner's layout may change several primitives at once: the heaviest change
 DP_COMM = ("dp", "zero1", "fsdp", "hsdp")
 GAIN = 0.02  # an option must save at least 2% of the step to be worth a change
 # Removing a primitive the user put in place is a change to a working layout: it must gain more than the band in
@@ -62,6 +63,42 @@ def _hsdp(cfg: Config) -> list[tuple[str, str, dict[str, Any]]]:
     shard = p.dp * p.cp // r
     return [("hsdp", f"HSDP: dp_replicate {r} (ZeRO-{p.zero} shards over {shard} ranks inside a node, {r} replicas "
              "all-reduce across nodes)", {"parallel.dp_replicate": r})]
+
+
+_KEY_PRIM = (("cp", "cp"), ("ep", "ep"), ("pp", "pp"), ("tp", "tp"), ("recompute", "recompute"), ("zero", "zero"),
+             ("dp_replicate", "hsdp"), ("dp", "dp"))
+
+
+def _primitive(prim: str, patch: dict[str, Any]) -> Any:
+    """The primitive an option is named by: the planner's layout by the heaviest primitive it changes."""
+    if prim != "plan":
+        return prim
+    keys = {k.split(".")[-1] for k in patch}
+    return next((name for key, name in _KEY_PRIM if key in keys), "dp")
+
+
+def _planned(c: Ctx) -> list[tuple[str, str, dict[str, Any]]]:
+    """The planner's final layout for this model, cluster, batch and micro-batch (kept) as one option, so that
+    "slow" weighs every layout `plan` weighs (advice/planner.py), not only single-primitive moves."""
+    from curry_train.advice.planner import plan
+
+    cfg = c.cfg
+    m, t, h = cfg.model, cfg.train, cfg.hardware
+    hw = c.hardware if isinstance(c.hardware, str) else ("CPU" if h.device == "cpu" else None)
+    try:
+        p = plan({"model": m.model_dump(), "train": {"lr": t.lr, "weight_decay": t.weight_decay}}, h.gpus_per_node,
+                 h.nodes, h.gpu_memory_gib, t.seq_len, t.global_batch, micro_batch=t.micro_batch,
+                 search_micro_batch=False, dtype=t.dtype, hardware=hw, probe=c.probe)
+    except ValueError:
+        return []
+    if not p.fits:
+        return []
+    cur = {f"parallel.{k}": v for k, v in cfg.parallel.model_dump().items()}
+    patch = {k: v for k, v in p.final_patch.items() if k in cur and cur[k] != v}
+    if not patch:
+        return []
+    what = ", ".join(f"{k.split('.')[-1]}={v}" for k, v in patch.items())
+    return [("plan", f"the planner's layout ({what})", patch)]
 
 
 def slow(c: Ctx) -> Decision:
@@ -104,6 +141,7 @@ def slow(c: Ctx) -> Decision:
             off = {"parallel.dp_replicate": 1} if p.dp_replicate > 1 else {}  # the template's EP runs without HSDP
             options.append(("ep", f"ep {e}", {"parallel.ep": e, **off}))
     options += _hsdp(cfg)
+    options += _planned(c)
     good: list[tuple[str, str, Alt]] = []
     refused: dict[str, str] = {}
     for prim, name, patch in options:
@@ -122,7 +160,7 @@ def slow(c: Ctx) -> Decision:
         best = min(a.after.step_time.total_s for _, _, a in good)
         prim, name, alt = min((g for g in good if g[2].after.step_time.total_s <= best * (1 + WITHIN)),
                               key=lambda g: (WEIGHT[g[0]], g[2].after.step_time.total_s))
-        return Decision(prim, alt.patch, alt.after, "slow_pick", {**facts, "name": name, "nodes": h.nodes,
+        return Decision(_primitive(prim, alt.patch), alt.patch, alt.after, "slow_pick", {**facts, "name": name, "nodes": h.nodes,
                                                                    "prim": prim})
     kind = "slow_comm_bound" if st.comm_fraction > 0.5 else "slow_compute_bound"
     return Decision("none", {}, None, kind, facts, more_gpus=False, action="none")

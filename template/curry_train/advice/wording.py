@@ -68,8 +68,9 @@ _REJECTED: dict[str, Callable[[dict[str, Any]], str]] = {
     "pp_fsdp_units": lambda f: (
         f"pp {f['patch']}: {_gib(f['total'])}, of which {_gib(f['copies'])} are gathered parameter copies: in this "
         "template a pipeline over FSDP stages keeps each chunk's units gathered from its backward to its next "
-        "forward (torch.distributed.pipelining; docs/ESTIMATION.md, 'Pipeline x FSDP'); Megatron-LM's pipeline "
-        f"gathers no parameters and would need about {_gib(f['total'] - f['copies'])}"),
+        "forward (torch.distributed.pipelining; docs/ESTIMATION.md, 'Pipeline x FSDP'): without them about "
+        f"{_gib(f['total'] - f['copies'])}; Megatron-LM's pipeline keeps each stage's parameters whole and shards "
+        "only the optimizer state (its distributed optimizer), so it has no gathered copies to keep"),
     "tp_before_fsdp": lambda f: "tp: never before full sharding (ZeRO-3 solves more with less)",
     "cp_no_need": lambda f: f"cp: no proven need ({_cp_need_why(f)})",
     "cp_vs_tp": lambda f: (f"{f['other']} {f['other_patch']}: {_gib(f['other_total'])}"
@@ -126,6 +127,8 @@ _WHY: dict[str, Callable[[dict[str, Any]], str]] = {
     "hsdp": lambda f: (f"FSDP's group spans the {f['nodes']} nodes, so every all-gather and reduce-scatter crosses "
                        "the inter-node link; HSDP keeps them inside a node and sends only one all-reduce of the "
                        "gradient shards across."),
+    "plan": lambda f: ("No single primitive gains as much as the layout the planner ranks first for this model, "
+                       "cluster, batch and micro-batch (curry-train plan), which changes several at once."),
     "zero": lambda f: "", "recompute": lambda f: "", "cp": lambda f: "",
 }
 
@@ -189,7 +192,7 @@ _REASON: dict[str, Callable[[str, dict[str, Any], Estimate, Any], str]] = {
         f"{h}: compute is the step, and no option weighed (alternatives) gains 2%; more data-parallel ranks (more "
         "GPUs) is the lever."),
     "remove": lambda h, f, b, e: (
-        f"Optional improvement: {f['value']} costs {-f['gain']:.0%} of the step; with {f['patch']} the "
+        f"{f['value']} costs {-f['gain']:.0%} of the step; with {f['patch']} the "
         f"{_steps(f['before_step'], f['after_step'])}, peak {_gib(f['after_total'])} of {_budget(b)} (was "
         f"{_gib(f['before_total'])})"
         + (f", with micro-batch {f['micro_batch']}: the larger micro-batch fits and pays only without it"
@@ -207,10 +210,13 @@ def render(d: Decision, est: Estimate, target: int, given: str | None, evidence:
     """The one place a decision becomes its reason text."""
     if d.kind == "nothing":
         return _nothing(est, d.facts.get("needed", []))
+    # nothing is wrong and a change is advised: it is an improvement of a layout that runs, and says so
+    opt = "Optional improvement (the layout fits and runs): " if given in (None, "none") and not evidence and \
+        d.patch and d.kind in ("slow_pick", "remove") else ""
     if d.kind.startswith("slow_"):
-        return _REASON[d.kind](_slow_head(est, d.facts["comm"]), d.facts, est, d.after)
+        return opt + _REASON[d.kind](_slow_head(est, d.facts["comm"]), d.facts, est, d.after)
     if d.kind in ("remove", "remove_pointless", "oom_unmeasured"):
-        return _REASON[d.kind]("", d.facts, est, d.after)
+        return opt + _REASON[d.kind]("", d.facts, est, d.after)
     return _REASON[d.kind](_oom_head(est, target, given, evidence or "estimate", measured), d.facts, est, d.after)
 
 

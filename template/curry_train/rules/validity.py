@@ -144,9 +144,10 @@ def check(cfg: Config) -> list[Problem]:
                 f"{p.pp_schedule} needs the micro-batch count ({n_micro}) to be a multiple of pp={p.pp}",
                 f"use global_batch a multiple of {p.pp * p.dp * t.micro_batch}")
     if p.dp * p.cp > 1 and p.zero < 2 and p.tp > 1:  # DDP's bucketed all-reduce takes plain tensors only
-        bad(["parallel.zero", "parallel.tp"], f"zero={p.zero} wraps the model in DDP, which cannot hold "
-            "tensor-parallel (DTensor) parameters", "use parallel.zero=2 or 3 with tp (FSDP2 shards the TP "
-            "shards along dp, as torchtitan does)")
+        bad(["parallel.zero", "parallel.tp"], f"zero={p.zero} wraps the model in DDP, which in this template "
+            "cannot hold tensor-parallel (DTensor) parameters (Megatron-LM's TP with DDP or its distributed "
+            "optimizer, i.e. ZeRO-1, is a standard layout there; this template runs TP as torchtitan does)",
+            "use parallel.zero=2 or 3 with tp (FSDP2 shards the TP shards along dp, as torchtitan does)")
     if p.dp * p.cp > 1 and p.zero < 2 and p.pp > 1 and p.pp_schedule == "zero_bubble":
         bad(["parallel.zero", "parallel.pp_schedule"], f"zero={p.zero} (DDP) all-reduces when the last "
             "micro-batch's backward ends, but zero_bubble runs some weight-gradient passes after it (gradients "
