@@ -141,17 +141,22 @@ def slow(c: Ctx) -> Decision:
             off = {"parallel.dp_replicate": 1} if p.dp_replicate > 1 else {}  # the template's EP runs without HSDP
             options.append(("ep", f"ep {e}", {"parallel.ep": e, **off}))
     options += _hsdp(cfg)
-    options += _planned(c)
     good: list[tuple[str, str, Alt]] = []
     refused: dict[str, str] = {}
-    for prim, name, patch in options:
-        alt = c.weigh(name, patch)
-        if alt.after is None:
-            refused.setdefault(prim, alt.refused)
-            continue
-        if alt.after.memory.total <= c.est.usable_bytes and alt.after.step_time.total_s < st.total_s * (1 - GAIN) \
-                and _clean(cfg, patch):
-            good.append((prim, name, alt))
+
+    def weigh_all(opts: list[tuple[str, str, dict[str, Any]]]) -> None:
+        for prim, name, patch in opts:
+            alt = c.weigh(name, patch)
+            if alt.after is None:
+                refused.setdefault(prim, alt.refused)
+                continue
+            if alt.after.memory.total <= c.est.usable_bytes and \
+                    alt.after.step_time.total_s < st.total_s * (1 - GAIN) and _clean(cfg, patch):
+                good.append((prim, name, alt))
+
+    weigh_all(options)
+    if not good:  # no one primitive gains: the planner's layout, which may change several, is the lever left
+        weigh_all(_planned(c))
     for prim, why in refused.items():
         if not any(g[0] == prim for g in good):
             c.reject("refused", name=prim, why=why)
