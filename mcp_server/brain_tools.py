@@ -105,7 +105,8 @@ def recommend_next(
         description="What goes wrong: oom, slow or none. Omit it to derive it from the estimate.")] = None,
     overrides: Overrides = {},  # noqa: B006
     measured_peak_bytes: Annotated[int | None, Field(
-        gt=0, description="bench's peak_memory_bytes, when a measurement says OOM but the estimate fits.")] = None,
+        gt=0, description="bench's peak_memory_bytes: over the usable budget it is an OOM whatever the symptom; "
+                          "with symptom=oom it sizes the reduction.")] = None,
     hardware: Annotated[str | None, Field(description=f"Speed profile: one of {_NAMES} (default: "
                                                       "guessed from the config). The memory budget stays the "
                                                       "config's hardware.gpu_memory_gib (set it in overrides).")]
@@ -116,7 +117,10 @@ def recommend_next(
     cp, dp or none) with the reason in numbers, the config_patch to apply with update_config, the expected memory
     and throughput change, the rungs it rejected, and the white-box check to run after applying it. It follows
     the ladder: recompute before more GPUs, the lowest ZeRO stage that fits, TP only after full sharding within a
-    node, PP only across nodes, EP only for MoE, CP only for long sequences; it says when only more GPUs help."""
+    node, PP only across nodes, EP only for MoE, CP only for long sequences; it says when only more GPUs help.
+    `evidence` says what shows an OOM (estimate, measurement, a reported OOM inside the estimator's error band, or
+    unconfirmed: then `if_confirmed` is the rung to take once a measurement confirms it); `improvement` marks an
+    optional speed-up of a layout that fits and runs."""
     from curry_train.advice.advisor import recommend_next as advise
     from curry_train.estimator.profiles import gpu_budget
     from curry_train.measure.service import resolve

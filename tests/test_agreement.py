@@ -218,3 +218,20 @@ def test_pipeline_over_fsdp_says_the_kept_units_are_this_templates():
     oom(c)
     text = [x for x in render_rejected(c.rejected) if "gathered parameter copies" in x]
     assert text and "in this template" in text[0] and "Megatron-LM" in text[0] and "without them about" in text[0]
+
+
+def test_cli_plan_keeps_the_given_micro_batch_and_searches_on_request():
+    import json
+    import subprocess
+    import sys
+
+    def run(*extra):
+        out = subprocess.run([sys.executable, "-m", "curry_train.cli", "plan", "--model", "llama3-8b", "--seq-len",
+                              "8192", "--global-batch", "512", *extra, "--json", "--root", str(PRESETS.parent)],
+                             capture_output=True, text=True, timeout=300, check=True)
+        return json.loads(out.stdout)
+
+    kept = run("--micro-batch", "8")
+    assert kept["micro_batch"] == 8 and not kept["micro_batch_searched"]
+    assert {r["micro_batch"] for r in kept["ranked"]} == {8}
+    assert run("--micro-batch", "8", "--search-micro-batch")["micro_batch_searched"]

@@ -3,7 +3,7 @@
     curry-train recommend --config llama3-8b --set parallel.zero=0 --json
     python -c "from curry_train.advice.advisor import recommend_next; print(recommend_next('tiny', 'oom').reason)"
 
-The ladder (skills/stage4-parallel-primitive-intro; its gates in curry_train/rules.py), one rung per call:
+The ladder (skills/stage4-parallel-primitive-intro; its gates in curry_train/rules/gates.py), one rung per call:
   An estimated OOM comes first, whatever the symptom:
   OOM on one device         -> recompute (selective if it fits, else full); then more GPUs with ZeRO.
   OOM under DDP (zero < 3)  -> the lowest ZeRO stage that fits (1: optimizer state, 2: + gradients, 3: + params).
@@ -11,19 +11,24 @@ The ladder (skills/stage4-parallel-primitive-intro; its gates in curry_train/rul
                                activations overflow, CP: the faster of the two that fits (TP is still tried
                                after CP); then PP across nodes; then "more GPUs", with the smallest node count
                                on which the planner finds a layout (advice/search.py min_nodes_to_fit).
-  "oom" given, estimate fits -> no claim: it asks for measured_peak_bytes (bench's peak) or a bench; with it,
-                               the next rung must lower the peak by the measured excess.
+  evidence of an OOM        -> the symptom is evidence, not a switch (decide.oom_evidence): a measured peak over the
+                               usable budget is an OOM whatever the symptom; a reported OOM is believed when the
+                               estimate is within the estimator's error band of the limit (search.PEAK_ERROR_BAND,
+                               3%: benchmarks/estimator_accuracy.py's target) and climbs to clear the band; far
+                               below it asks for measured_peak_bytes and names the rung `if_confirmed`.
   slow                      -> advice/tune.py weighs idle GPUs, the bubble, the micro-batch, HSDP, TP inside the
-                               node, PP across nodes, EP, each with its estimate.
-  no symptom / none         -> advice/tune.py: the heaviest primitive in place that is unnecessary by its own
-                               estimate (action "remove"), or nothing.
-Never: TP before full sharding, PP inside a node, CP without proven need, EP for a dense model (rules.py).
+                               node, PP across nodes, EP, each with its estimate, and every removal the no-symptom
+                               path weighs; when no single primitive gains, the planner's layout; the faster wins.
+  no symptom / none         -> advice/tune.py: the heaviest primitive in place whose removal pays (it does nothing
+                               there, or gains tune.REMOVE_GAIN, 10%, alone or with the micro-batch it makes room
+                               for), named as an optional improvement (`improvement`), or nothing.
+Never: TP before full sharding, PP inside a node, CP without proven need, EP for a dense model (rules/patterns.py).
 The symptom, when not given, is derived: OOM when the estimated peak exceeds hardware.gpu_memory_gib minus the
 estimator's reserve (CUDA: 2 GiB context/NCCL + 5% fragmentation; CPU: none); slow when exposed communication is
 more than half the estimated step. Every answer lists its `alternatives` with their memory and step time.
 
 Deciding and wording are apart: advice/decide.py returns a Decision (primitive, patch, estimate after, `kind` and
-the `facts` it rests on) and every counterfactual as a Rejection; `render` and `render_rejected` below are the one
+the `facts` it rests on) and every counterfactual as a Rejection; `render` and `render_rejected` (advice/wording.py) are the one
 place that turns them into text.
 """
 

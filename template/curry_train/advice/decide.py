@@ -5,7 +5,7 @@
 Nothing here writes prose: each decision names a `kind` and carries the `facts` (numbers, sizes, estimates)
 that advice/advisor.py renders into the reason, and each counterfactual is a `Rejection` of the same shape. The
 ladder and its anti-patterns (TP before full sharding, PP inside a node, CP without proven need, EP on a dense
-model) come from curry_train/rules.py; the ladder is described in advice/advisor.py's docstring.
+model) come from curry_train/rules/; the ladder is described in advice/advisor.py's docstring.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ would run, and tell the climb to it one rung at a time.
 
 `plan()` enumerates every valid layout of the cluster (advice/search.py: tp x cp x pp x dp, the pipeline schedule
 and virtual stages, ZeRO stage, recompute, micro-batch, for MoE expert parallelism), keeps those that fit, labels
-each with its anti-patterns (curry_train/rules.py) and picks `final`: the layout with the fewest and lightest
+each with its anti-patterns (curry_train/rules/) and picks `final`: the layout with the fewest and lightest
 primitives, in the ladder's order, among the clean fitting layouts within 10% of the fastest clean one, using
 the most GPUs. `rungs` then climbs from plain data parallelism to `final`, one primitive per rung in the
 ladder's order (ZeRO, recompute, TP, PP, EP, CP, then HSDP), each with its estimate. When nothing fits,
@@ -55,7 +55,7 @@ class RankedLayout(BaseModel):
     step_time_s: float
     mfu: float
     comm_fraction: float
-    anti_patterns: list[str] = Field(default_factory=list, description="Ids of the anti-patterns (rules.py); "
+    anti_patterns: list[str] = Field(default_factory=list, description="Ids of the anti-patterns (rules/patterns.py); "
                                      "empty when clean. A row with one is never `final`.")
 
 
