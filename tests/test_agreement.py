@@ -235,3 +235,14 @@ def test_cli_plan_keeps_the_given_micro_batch_and_searches_on_request():
     assert kept["micro_batch"] == 8 and not kept["micro_batch_searched"]
     assert {r["micro_batch"] for r in kept["ranked"]} == {8}
     assert run("--micro-batch", "8", "--search-micro-batch")["micro_batch_searched"]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_reported_oom_on_every_preset_climbs_or_names_its_rung(name):
+    r = recommend_next(name, "oom")
+    assert r.symptom == "oom" and r.evidence in ("within_band", "unconfirmed", "estimate")
+    if r.evidence == "unconfirmed":
+        assert r.action == "none" and "if the measurement confirms it" in r.reason
+        assert r.if_confirmed or r.more_gpus_needed or "more GPUs" in r.reason
+    else:
+        assert r.action == "add" or r.more_gpus_needed
