@@ -246,3 +246,10 @@ def test_a_reported_oom_on_every_preset_climbs_or_names_its_rung(name):
         assert r.if_confirmed or r.more_gpus_needed or "more GPUs" in r.reason
     else:
         assert r.action == "add" or r.more_gpus_needed
+
+
+def test_a_long_context_verdict_says_it_rests_on_this_templates_chunked_loss():
+    r = recommend_next("llama3-8b", None, {"train.seq_len": 131072, "train.global_batch": 8})
+    assert r.primitive in ("tp", "cp") and "In this template the LM loss is chunked" in r.reason
+    assert "torchtitan" in r.reason and re.search(r"\(\d+\.\d+ GiB per rank here\)", r.reason)
+    assert "chunked" not in recommend_next("tiny", "oom", measured_peak_bytes=2 * GiB).reason  # short: no clause

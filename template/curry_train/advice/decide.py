@@ -274,13 +274,17 @@ def oom(c: Ctx) -> Decision:
             c.reject("cp_vs_tp", chosen=kind, other="tp" if kind == "cp" else "cp", other_patch=other[0],
                      other_step=other[1].step_time.total_s, other_total=other[1].memory.total, other_fits=c.fits(other[1]),
                      step=e.step_time.total_s)
+        t = cfg.train
+        cp_n, tp_n = patch.get("parallel.cp", p.cp), patch.get("parallel.tp", p.tp)
+        # fp32 logits of one micro-batch on one rank, which this template's chunked loss never holds at once
+        logits = 4 * t.micro_batch * (t.seq_len // cp_n) * m.vocab_size // tp_n if t.seq_len >= LONG_CONTEXT else 0
         if kind == "cp":
             return c.took("cp", "cp", patch, e, seq_len=cfg.train.seq_len, act_share=act_share,
-                          tokens=cfg.train.seq_len // patch["parallel.cp"])
+                          tokens=cfg.train.seq_len // patch["parallel.cp"], logits=logits)
         return c.took("tp", "tp", patch, e, tp=patch["parallel.tp"], dp_before=p.dp,
                       dp_after=patch.get("parallel.dp", p.dp), cp_after=patch.get("parallel.cp", p.cp),
                       zero=p.zero, recompute=p.recompute, link=c.est.hardware.name,
-                      link_gbps=c.est.hardware.intra_node_gbps)
+                      link_gbps=c.est.hardware.intra_node_gbps, logits=logits)
     if pp_allowed(h.nodes):
         pps = _pp_patches(cfg)
         got = c.first_fit("pp", pps)

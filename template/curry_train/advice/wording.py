@@ -41,6 +41,15 @@ def _over(f: dict[str, Any]) -> str:
     return "" if f["fits"] else " (still over)"
 
 
+def _loss(f: dict[str, Any]) -> str:
+    """The clause a long-sequence verdict owes to this template's chunked loss, with the bytes it saves."""
+    if not f.get("logits"):
+        return ""
+    return (f" In this template the LM loss is chunked (model/gpt.py chunked_lm_loss), so the fp32 [tokens, vocab] "
+            f"logits of a micro-batch ({_gib(f['logits'])} per rank here) never exist at once; Megatron-LM or "
+            "torchtitan without a fused or chunked cross entropy would need them on top.")
+
+
 def _pct(after: float, before: float) -> str:
     return f"{100 * (after / before - 1):+.0f}%" if before > 0 else "n/a"
 
@@ -154,7 +163,7 @@ _REASON: dict[str, Callable[[str, dict[str, Any], Estimate, Any], str]] = {
     "cp": lambda h, f, b, e: (
         f"{h}. Sequence {f['seq_len']} tokens: activations are {f['act_share']:.0%} of the peak. Context parallel "
         f"(ring attention) gives each rank {f['tokens']} tokens of every sequence: {_gib(f['total'])}{_over(f)}, "
-        f"{_steps(b.step_time.total_s, e.step_time.total_s)}."),
+        f"{_steps(b.step_time.total_s, e.step_time.total_s)}.{_loss(f)}"),
     "ep": lambda h, f, b, e: (
         f"{h}. A mixture of experts at full sharding: expert parallel puts {f['per_rank']} experts on each rank "
         f"and routes tokens by all-to-all: {_gib(f['total'])}{_over(f)}, {_steps(b.step_time.total_s, e.step_time.total_s)}"
@@ -163,7 +172,7 @@ _REASON: dict[str, Callable[[str, dict[str, Any], Estimate, Any], str]] = {
         f"{h}, with zero={f['zero']} and recompute={f['recompute']}. Tensor parallel (+ sequence parallel unless "
         f"CP shards the sequence) inside a node splits every layer's weights and activations {f['tp']} ways over "
         f"the node's link ({f['link']}: {f['link_gbps']:g} GB/s; dp {f['dp_before']} -> {f['dp_after']}): "
-        f"{_gib(f['total'])}{_over(f)}, {_steps(b.step_time.total_s, e.step_time.total_s)}."),
+        f"{_gib(f['total'])}{_over(f)}, {_steps(b.step_time.total_s, e.step_time.total_s)}.{_loss(f)}"),
     "pp": lambda h, f, b, e: (
         f"{h}, with tp={f['tp']}. Pipeline parallel across the {f['nodes']} nodes splits the layers into "
         f"{f['pp']} stages (1F1B; dp {f['dp_before']} -> {f['dp_after']}): {_gib(f['total'])}{_over(f)}."),
