@@ -7,13 +7,15 @@ slow: every lever is weighed with its estimate: idle GPUs (more data-parallel ra
 schedule, virtual stages, more micro-batches), the micro-batch (FSDP re-gathers the parameters once per
 micro-batch), TP inside the node when data-parallel communication dominates, PP across nodes, EP for a MoE, and
 HSDP when FSDP spans nodes (parallel.dp_replicate: the shard group inside a node, rules.hsdp_replicas, the size
-the planner searches). Among the options that fit, have no anti-pattern and gain, the lightest rung of the
-ladder within 10% of the fastest wins (the planner's rule, advice/search.py).
+the planner searches); when none of these gains, the planner's layout (advice/planner.py, micro-batch kept).
+Among the options that fit, have no anti-pattern and gain, the lightest rung of the ladder within 10% of the
+fastest wins (the planner's rule, advice/search.py); advice/tune.decide then takes a removal instead when it is
+faster, so "slow" never answers worse than no symptom.
 
 remove: the heaviest primitive first (CP, EP, PP, TP, HSDP, full -> selective recompute, a lower ZeRO stage)
 whose removal pays: it does nothing where it is (ZeRO at dp x cp = 1, layout_warnings.py), or its removal fits,
-has no anti-pattern and gains at least REMOVE_GAIN of the step (itself, or with the memory it frees spent on a
-doubled micro-batch). A removal within the planner's tie band is churn, not advice.
+has no anti-pattern and gains at least REMOVE_GAIN of the step (itself, or with the doubled micro-batch that fits
+and pays only without it). A removal within the planner's tie band is churn, not advice.
 """
 
 from __future__ import annotations
@@ -165,8 +167,8 @@ def slow(c: Ctx) -> Decision:
         best = min(a.after.step_time.total_s for _, _, a in good)
         prim, name, alt = min((g for g in good if g[2].after.step_time.total_s <= best * (1 + WITHIN)),
                               key=lambda g: (WEIGHT[g[0]], g[2].after.step_time.total_s))
-        return Decision(_primitive(prim, alt.patch), alt.patch, alt.after, "slow_pick", {**facts, "name": name, "nodes": h.nodes,
-                                                                   "prim": prim})
+        return Decision(_primitive(prim, alt.patch), alt.patch, alt.after, "slow_pick",
+                        {**facts, "name": name, "nodes": h.nodes, "prim": prim})
     kind = "slow_comm_bound" if st.comm_fraction > 0.5 else "slow_compute_bound"
     return Decision("none", {}, None, kind, facts, more_gpus=False, action="none")
 
@@ -207,7 +209,7 @@ def _spend(c: Ctx, patch: dict[str, Any]) -> tuple[dict[str, Any], Estimate] | N
     """The removal with a doubled micro-batch (fewer per-micro-batch gathers), when that fits, is valid and clean
     and the doubled micro-batch alone does not already fit (then the micro-batch, not the removal, is the gain)."""
     t = c.cfg.train
-    if t.global_batch % (c.cfg.parallel.dp * 2 * t.micro_batch):
+    if t.global_batch % (patch.get("parallel.dp", c.cfg.parallel.dp) * 2 * t.micro_batch):
         return None
     both = {**patch, "train.micro_batch": 2 * t.micro_batch}
     alone = c.weigh(f"double micro_batch to {2 * t.micro_batch}", {"train.micro_batch": 2 * t.micro_batch})
@@ -222,7 +224,7 @@ def _spend(c: Ctx, patch: dict[str, Any]) -> tuple[dict[str, Any], Estimate] | N
 
 def remove(c: Ctx) -> Decision:
     """The heaviest primitive in place whose removal pays: it does nothing (ZeRO at dp x cp = 1), or taking it
-    out gains at least REMOVE_GAIN of the step, or frees memory that a doubled micro-batch turns into that gain;
+    out gains at least REMOVE_GAIN of the step, alone or with a doubled micro-batch that pays only without it;
     `nothing` when each is needed."""
     cfg, st = c.cfg, c.est.step_time
     needed: list[dict[str, Any]] = []

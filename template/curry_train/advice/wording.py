@@ -206,7 +206,7 @@ _REASON: dict[str, Callable[[str, dict[str, Any], Estimate, Any], str]] = {
         f"{_gib(f['before_total'])})"
         + (f", with micro-batch {f['micro_batch']}: the larger micro-batch fits and pays only without it"
            if f.get("micro_batch") else "")
-        + f"; a change gains at least {REMOVE_GAIN:.0%} (what the planner counts as a tie) to be worth making. "
+        + f"; a removal is advised only when it gains at least {REMOVE_GAIN:.0%}, beyond the planner's tie band. "
         f"Apply {f['patch']}."),
     "remove_pointless": lambda h, f, b, e: (
         f"{f['value']} does nothing here: {f['why']}; with {f['patch']} the memory and the step stay the same "
