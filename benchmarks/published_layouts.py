@@ -86,6 +86,8 @@ def run_one(name: str, preset: str, gpu: str, mem: float, published: tuple[int, 
     kw: dict[str, Any] = {"micro_batch": t.micro_batch, "hardware": gpu, "top": 100_000}
     if "gpu" in inspect.signature(plan).parameters:
         kw["gpu"] = gpu
+    if "search_micro_batch" in inspect.signature(plan).parameters:
+        kw["search_micro_batch"] = True  # the papers' micro-batch is where the search starts, as it always was
     t0 = time.perf_counter()
     p = plan(preset, h.gpus_per_node, h.nodes, mem, t.seq_len, t.global_batch, **kw)
     seconds = time.perf_counter() - t0

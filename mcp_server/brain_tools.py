@@ -105,7 +105,8 @@ def recommend_next(
         description="What goes wrong: oom, slow or none. Omit it to derive it from the estimate.")] = None,
     overrides: Overrides = {},  # noqa: B006
     measured_peak_bytes: Annotated[int | None, Field(
-        gt=0, description="bench's peak_memory_bytes, when a measurement says OOM but the estimate fits.")] = None,
+        gt=0, description="bench's peak_memory_bytes: over the usable budget it is an OOM whatever the symptom; "
+                          "with symptom=oom it sizes the reduction.")] = None,
     hardware: Annotated[str | None, Field(description=f"Speed profile: one of {_NAMES} (default: "
                                                       "guessed from the config). The memory budget stays the "
                                                       "config's hardware.gpu_memory_gib (set it in overrides).")]
@@ -116,7 +117,10 @@ def recommend_next(
     cp, dp or none) with the reason in numbers, the config_patch to apply with update_config, the expected memory
     and throughput change, the rungs it rejected, and the white-box check to run after applying it. It follows
     the ladder: recompute before more GPUs, the lowest ZeRO stage that fits, TP only after full sharding within a
-    node, PP only across nodes, EP only for MoE, CP only for long sequences; it says when only more GPUs help."""
+    node, PP only across nodes, EP only for MoE, CP only for long sequences; it says when only more GPUs help.
+    `evidence` says what shows an OOM (estimate, measurement, a reported OOM inside the estimator's error band, or
+    unconfirmed: then `if_confirmed` is the rung to take once a measurement confirms it); `improvement` marks an
+    optional speed-up of a layout that fits and runs."""
     from curry_train.advice.advisor import recommend_next as advise
     from curry_train.estimator.profiles import gpu_budget
     from curry_train.measure.service import resolve
@@ -161,7 +165,12 @@ def plan(
     gpu_memory_gib: Annotated[float, Field(gt=0, le=4096, description="Memory per accelerator, GiB (e.g. 80).")],
     seq_len: Annotated[int, Field(ge=2, le=10_000_000, description="Tokens per sequence.")],
     global_batch: Annotated[int, Field(ge=1, le=100_000_000, description="Sequences per optimizer step.")],
-    micro_batch: Annotated[int, Field(ge=1, description="Sequences per data-parallel rank per forward.")] = 1,
+    micro_batch: Annotated[int | None, Field(ge=1, description="Sequences per data-parallel rank per forward, kept "
+                                                   "on every layout (default: searched).")] = None,
+    search_micro_batch: Annotated[bool | None, Field(description="Search the micro-batch (default: only when "
+                                                     "micro_batch is not given); a change is stated in hints.")] = None,
+    margin: Annotated[float, Field(ge=0.0, lt=1.0, description="Extra fraction of usable memory to keep free, "
+                                                               "as the CLI's --margin.")] = 0.0,
     hardware: Annotated[str | None, Field(description=f"Hardware profile: one of {_NAMES} (default: "
                                                       "guessed from gpu_memory_gib).")] = None,
     plot: Annotated[bool, Field(description="Also return a PNG: the pipeline-schedule timeline of the final layout "
@@ -180,7 +189,7 @@ def plan(
         # a named gpu sets the speed, and the budget where its memory is below gpu_memory_gib
         hardware, budget = gpu_budget(gpu, gpu_memory_gib, hardware)
         p = make_plan(model, gpus_per_node, nodes, budget, seq_len, global_batch, micro_batch=micro_batch,
-                      hardware=hardware, root=root())
+                      search_micro_batch=search_micro_batch, margin=margin, hardware=hardware, root=root())
     except (ConfigError, UnsafeName, FileNotFoundError, KeyError, ValueError) as e:
         raise tool_error(e) from None
     return _json_result(p, _plan_png(p) if plot else None)

@@ -125,7 +125,7 @@ def test_a_given_oom_that_the_estimate_does_not_show_asks_for_a_measurement():
     assert "measured_peak_bytes" in r.reason and "measured OOM" not in r.reason
     r = recommend_next("tiny", "oom", measured_peak_bytes=2 * 2**30)  # a measurement over the 1 GiB budget
     assert r.primitive == "recompute" and r.memory_after_bytes < r.memory_before_bytes
-    assert "measured peak above the budget" in r.reason
+    assert "measured peak (2.00 GiB) above" in r.reason
 
 
 def test_an_estimated_oom_comes_first_whatever_the_symptom():
@@ -143,21 +143,28 @@ def test_the_8b_preset_relaxes_full_recompute_and_the_plan_agrees():
     assert plan("llama3-8b", 8, 1, 80.0, 8192, 512).final["recompute"] in ("none", "selective")
 
 
-def test_the_70b_preset_drops_tensor_parallel_by_its_own_numbers_and_the_plan_agrees():
+def test_the_70b_preset_drops_tensor_parallel_only_with_the_micro_batch_that_makes_it_pay():
+    """Removing TP 8 alone gains about 4% of the step, inside the 10% the planner counts as a tie (churn, not
+    advice); without TP a micro-batch of 2 fits and the pair gains about 20%: that is the named improvement, and
+    the plan that searches the micro-batch ends at the same layout."""
     from curry_train.advice.planner import plan
+    from curry_train.advice.tune import REMOVE_GAIN
 
     r = recommend_next("llama3-70b")
-    assert r.action == "remove" and r.primitive == "tp"
-    assert r.config_patch == {"parallel.tp": 1, "parallel.sp": False, "parallel.dp": 32}
-    assert r.fits_after and r.step_time_after_s <= r.step_time_before_s * 1.10
-    assert "tp=8 is unnecessary" in r.reason
-    assert plan("llama3-70b", 8, 4, 80.0, 8192, 1024).final["tp"] < 8
+    assert r.action == "remove" and r.primitive == "tp" and r.improvement
+    assert r.config_patch == {"parallel.tp": 1, "parallel.sp": False, "parallel.dp": 32, "train.micro_batch": 2}
+    assert r.fits_after and r.step_time_after_s <= r.step_time_before_s * (1 - REMOVE_GAIN)
+    assert "pays only without it" in r.reason
+    alone = [a for a in r.alternatives if a.patch == {"parallel.tp": 1, "parallel.sp": False, "parallel.dp": 32}]
+    assert alone and alone[0].step_time_s > r.step_time_before_s * (1 - REMOVE_GAIN)  # TP alone: a tie
+    p = plan("llama3-70b", 8, 4, 80.0, 8192, 1024)
+    assert p.final["tp"] == 1 and p.micro_batch == 2
 
 
 def test_slow_weighs_every_lever_with_numbers_and_names_refusals_as_such():
     # FSDP over 2 nodes all-gathers every expert per micro-batch across them: HSDP (a real patch now that the
     # template runs parallel.dp_replicate) keeps the gathers inside a node; EP and the micro-batch are weighed too
-    r = recommend_next("mixtral-8x7b", None, {"parallel.ep": 1})
+    r = recommend_next("mixtral-8x7b", None, {"parallel.ep": 1, "parallel.zero": 3, "hardware.gpu_memory_gib": 131.0})
     assert (r.action, r.primitive, r.config_patch) == ("add", "hsdp", {"parallel.dp_replicate": 2})
     assert r.fits_after and r.step_time_after_s < r.step_time_before_s and "HSDP" in r.reason
     assert any(a.change.startswith("double micro_batch") and a.step_time_s for a in r.alternatives)
@@ -174,9 +181,13 @@ def test_slow_weighs_every_lever_with_numbers_and_names_refusals_as_such():
 
 
 def test_a_bubble_bound_pipeline_gets_a_better_schedule():
-    r = recommend_next("gpt3-175b", "slow", {"train.global_batch": 256})
+    r = recommend_next("gpt3-175b", "slow", {"train.global_batch": 256, "parallel.recompute": "none"})
     assert r.primitive == "pp" and r.config_patch["parallel.pp_virtual"] >= 2
     assert r.step_time_after_s < r.step_time_before_s and "bubble" in r.reason
+    # with full recompute in place, dropping it gains more than any schedule: "slow" takes the faster answer
+    r = recommend_next("gpt3-175b", "slow", {"train.global_batch": 256})
+    sched = [a for a in r.alternatives if a.change.startswith("pipeline schedule") and a.fits]
+    assert r.action == "remove" and sched and r.step_time_after_s <= min(a.step_time_s for a in sched)
 
 
 def test_long_context_weighs_cp_against_tp_by_step_time():

@@ -158,3 +158,29 @@ def test_rules_that_need_numbers_read_the_context():
 def test_a_vocabulary_that_blocks_tp_gets_the_padding_hint():
     bad = config.check(_cfg(validate=False, model={"vocab_size": 50257}, parallel={"tp": 2, "sp": True}))
     assert any("pad model.vocab_size 50257 to 50304" in p.fix and "64*tp = 128" in p.fix for p in bad)
+
+
+def test_moe_with_sp_and_ep_is_refused_before_launch():
+    """parallel/expert_parallel.py routes every token of the sequence, so SP (1/tp of it per rank) with EP is
+    refused by check, before any process starts, naming both fields and the fix."""
+    sec = {"model": {"vocab_size": 256, "d_model": 64, "n_layers": 4, "n_heads": 8, "n_kv_heads": 4, "d_ff": 128,
+                     "num_experts": 4, "top_k": 2},
+           "train": {"seq_len": 64, "global_batch": 8, "micro_batch": 1},
+           "parallel": {"dp": 2, "zero": 2, "tp": 2, "sp": True, "ep": 2},
+           "hardware": {"gpus_per_node": 8, "nodes": 1}}
+    cfg = from_dict(sec, validate=False)
+    probs = [p for p in rules.check(cfg) if "parallel.ep" in p.fields and "parallel.sp" in p.fields]
+    assert len(probs) == 1 and "sp=false" in probs[0].fix
+    with pytest.raises(config.ConfigError):
+        from_dict(sec)
+    assert not [p for p in rules.check(from_dict(sec, {"parallel.sp": False}, validate=False))
+                if "parallel.sp" in p.fields]
+
+
+def test_tp_hints_offer_only_sizes_inside_a_node():
+    """n_heads=71 has no divisor that fits a node of 8: the hint says tp 1, never 'use tp in [71]'."""
+    cfg = from_dict({"model": {"d_model": 71 * 2, "n_heads": 71, "n_kv_heads": 71, "d_ff": 256, "vocab_size": 256},
+                     "parallel": {"dp": 1, "tp": 2}, "hardware": {"gpus_per_node": 8}}, validate=False)
+    fixes = [p.fix for p in rules.check(cfg) if p.fields == ["model.n_heads", "parallel.tp"]]
+    assert fixes == ["use tp in [1]"]
+    assert rules.tp_choices(96, 8) == [2, 4, 8]

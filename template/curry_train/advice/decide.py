@@ -5,7 +5,7 @@
 Nothing here writes prose: each decision names a `kind` and carries the `facts` (numbers, sizes, estimates)
 that advice/advisor.py renders into the reason, and each counterfactual is a `Rejection` of the same shape. The
 ladder and its anti-patterns (TP before full sharding, PP inside a node, CP without proven need, EP on a dense
-model) come from curry_train/rules.py; the ladder is described in advice/advisor.py's docstring.
+model) come from curry_train/rules/; the ladder is described in advice/advisor.py's docstring.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from curry_train.advice.search import min_nodes_to_fit
+from curry_train.advice.search import PEAK_ERROR_BAND, min_nodes_to_fit  # the estimator's error band
 from curry_train.config import Config, ConfigError, from_dict
 from curry_train.estimator import Estimate, estimate
 from curry_train.rules import (
@@ -63,6 +63,24 @@ class Alt:
     refused: str = ""
 
 
+def oom_evidence(est: Estimate, symptom: str | None, measured: int | None) -> tuple[str, int]:
+    """(what says the config runs out of memory, the peak the next rung must stay under). A measured peak over
+    the usable budget is an OOM whatever the symptom; a reported OOM is believed when the estimate is inside
+    PEAK_ERROR_BAND of the limit (the rung must then clear the band); one the estimate does not show is
+    'unconfirmed' (the rung is named, to apply if a measurement confirms it)."""
+    usable, total = est.usable_bytes, est.memory.total
+    if total > usable:
+        return "estimate", usable
+    if measured is not None and (measured > usable or symptom == "oom"):
+        return "measured", max(0, total - max(measured - usable, 1))  # lower the peak by the measured excess
+    if symptom != "oom":
+        return "", usable
+    edge = int(usable * (1 - PEAK_ERROR_BAND))
+    if total > edge:
+        return "within_band", edge
+    return "unconfirmed", usable
+
+
 def try_patch(cfg: Config, patch: dict[str, Any], hardware: Any, probe: Any) -> tuple[Config | None,
                                                                                      Estimate | None, str]:
     """The config with `patch` applied and its estimate, or (None, None, why it is invalid)."""
@@ -110,6 +128,24 @@ class Ctx:
             self.reject("still_over", name=name, patch=patch, total=e.memory.total)
             if e.memory.total < self.est.memory.total and (best is None or e.memory.total < best[1].memory.total):
                 best = (patch, e)  # not a fit, but a step down
+        return best
+
+    def fastest_fit(self, name: str, patches: list[dict[str, Any]]) -> tuple[dict[str, Any], Estimate] | None:
+        """Of the valid patches whose estimate fits, the one with the shortest step (sizes are weighed by what
+        they cost, not by which comes first); without a fit, first_fit's step down."""
+        fits: list[tuple[dict[str, Any], Estimate]] = []
+        for patch in patches:
+            alt = self.weigh(name, patch)
+            if alt.after is not None and self.fits(alt.after):
+                fits.append((patch, alt.after))
+        if not fits:
+            self.alts = [a for a in self.alts if a.patch not in patches]  # first_fit weighs them again
+            return self.first_fit(name, patches)
+        best = min(fits, key=lambda pe: pe[1].step_time.total_s)
+        for patch, e in fits:
+            if patch is not best[0]:
+                self.reject("slower_fit", name=name, patch=patch, step=e.step_time.total_s,
+                            chosen_step=best[1].step_time.total_s)
         return best
 
     def took(self, primitive: Primitive, kind: str, patch: dict[str, Any], e: Estimate, **facts: Any) -> Decision:
@@ -217,8 +253,7 @@ def oom(c: Ctx) -> Decision:
                  threshold=ACT_SHARE_FOR_CP)
     if ep_allowed(m) and p.ep == 1 and p.dp > 1:
         sizes = [e for e in divisors(m.num_experts) if e > 1 and p.dp % e == 0]
-        sizes.sort(key=lambda e: (e * p.cp * p.tp > h.gpus_per_node, e))  # inside a node first
-        got = c.first_fit("ep", [{"parallel.ep": e} for e in sizes])
+        got = c.fastest_fit("ep", [{"parallel.ep": e} for e in sizes])
         if got is not None:
             patch, e = got
             return c.took("ep", "ep", patch, e, per_rank=m.num_experts // patch["parallel.ep"])
@@ -239,15 +274,25 @@ def oom(c: Ctx) -> Decision:
             c.reject("cp_vs_tp", chosen=kind, other="tp" if kind == "cp" else "cp", other_patch=other[0],
                      other_step=other[1].step_time.total_s, other_total=other[1].memory.total, other_fits=c.fits(other[1]),
                      step=e.step_time.total_s)
+        t = cfg.train
+        cp_n, tp_n = patch.get("parallel.cp", p.cp), patch.get("parallel.tp", p.tp)
+        # fp32 logits of one micro-batch on one rank, which this template's chunked loss never holds at once
+        logits = 4 * t.micro_batch * (t.seq_len // cp_n) * m.vocab_size // tp_n if t.seq_len >= LONG_CONTEXT else 0
         if kind == "cp":
             return c.took("cp", "cp", patch, e, seq_len=cfg.train.seq_len, act_share=act_share,
-                          tokens=cfg.train.seq_len // patch["parallel.cp"])
+                          tokens=cfg.train.seq_len // patch["parallel.cp"], logits=logits)
         return c.took("tp", "tp", patch, e, tp=patch["parallel.tp"], dp_before=p.dp,
                       dp_after=patch.get("parallel.dp", p.dp), cp_after=patch.get("parallel.cp", p.cp),
                       zero=p.zero, recompute=p.recompute, link=c.est.hardware.name,
-                      link_gbps=c.est.hardware.intra_node_gbps)
+                      link_gbps=c.est.hardware.intra_node_gbps, logits=logits)
     if pp_allowed(h.nodes):
-        got = c.first_fit("pp", _pp_patches(cfg))
+        pps = _pp_patches(cfg)
+        got = c.first_fit("pp", pps)
+        kept = [a for a in c.alts if a.patch in pps and a.after is not None and a.after.memory.param_copies > 0
+                and not c.fits(a.after)]
+        if kept and (got is None or not c.fits(got[1])):  # this template's PP x FSDP keeps units gathered
+            a = min(kept, key=lambda a: a.after.memory.total)
+            c.reject("pp_fsdp_units", patch=a.patch, total=a.after.memory.total, copies=a.after.memory.param_copies)
         if got is not None:
             patch, e = got
             return c.took("pp", "pp", patch, e, nodes=h.nodes, pp=patch["parallel.pp"], dp_before=p.dp,

@@ -6,7 +6,7 @@ would run, and tell the climb to it one rung at a time.
 
 `plan()` enumerates every valid layout of the cluster (advice/search.py: tp x cp x pp x dp, the pipeline schedule
 and virtual stages, ZeRO stage, recompute, micro-batch, for MoE expert parallelism), keeps those that fit, labels
-each with its anti-patterns (curry_train/rules.py) and picks `final`: the layout with the fewest and lightest
+each with its anti-patterns (curry_train/rules/) and picks `final`: the layout with the fewest and lightest
 primitives, in the ladder's order, among the clean fitting layouts within 10% of the fastest clean one, using
 the most GPUs. `rungs` then climbs from plain data parallelism to `final`, one primitive per rung in the
 ladder's order (ZeRO, recompute, TP, PP, EP, CP, then HSDP), each with its estimate. When nothing fits,
@@ -21,9 +21,9 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from curry_train.advice.search import Row, choose, label, min_nodes_to_fit, search
+from curry_train.advice.search import PEAK_ERROR_BAND, Row, choose, label, min_nodes_to_fit, search
 from curry_train.config import Config, ModelConfig, from_dict, load_yaml
-from curry_train.estimator import GiB, estimate, resolve_hardware
+from curry_train.estimator import GiB, estimate, reserve_bytes, resolve_hardware
 from curry_train.estimator.profiles import check_cluster, get_profile
 from curry_train.rules import tp_blocked_by_vocab, vocab_pad_hint
 
@@ -32,6 +32,8 @@ class Rung(BaseModel):
     """One step of the climb: the layout after it and what the estimator says about it."""
 
     step: int
+    micro_batch: int = Field(1, description="train.micro_batch of this rung (the final layout's).")
+    headroom_gib: float = Field(0.0, description="Usable memory (after the margin) minus the peak, GiB.")
     primitive: str = Field(description="What this rung added (baseline for the start).")
     reason: str
     parallel: dict[str, Any] = Field(description="The parallel section after this rung.")
@@ -48,10 +50,12 @@ class RankedLayout(BaseModel):
     micro_batch: int = Field(description="train.micro_batch of this layout.")
     gpus_used: int
     total_gib: float = Field(description="Estimated per-rank peak (largest rank).")
+    headroom_gib: float = Field(0.0, description="Usable memory (after the margin) minus the peak, GiB.")
+    final: bool = Field(False, description="True for the row that is `final`.")
     step_time_s: float
     mfu: float
     comm_fraction: float
-    anti_patterns: list[str] = Field(default_factory=list, description="Ids of the anti-patterns (rules.py); "
+    anti_patterns: list[str] = Field(default_factory=list, description="Ids of the anti-patterns (rules/patterns.py); "
                                      "empty when clean. A row with one is never `final`.")
 
 
@@ -68,6 +72,10 @@ class Plan(BaseModel):
     seq_len: int
     global_batch: int
     micro_batch: int = Field(description="The final layout's micro-batch.")
+    micro_batch_given: int | None = Field(None, description="The micro-batch the caller gave (None: none given).")
+    micro_batch_searched: bool = Field(description="Whether the micro-batch was searched (search_micro_batch); "
+                                       "otherwise every row keeps the given one.")
+    usable_gib: float = Field(0.0, description="What a peak must stay under: budget - reserve, minus the margin.")
     rungs: list[Rung]
     final: dict[str, Any] = Field(description="The parallel section to run (config keys).")
     final_patch: dict[str, Any] = Field(default_factory=dict, description="Dotted keys (parallel.* and "
@@ -193,7 +201,8 @@ def _climb(base: Config, target: dict[str, Any], mb: int, hw: Any, probe: Any, m
         else:
             text += f", step {e.step_time.total_s:.3g} s"
         text += f"; usable {usable / GiB:.1f} GiB: {'fits' if e.memory.total <= usable else 'over'}"
-        rungs.append(Rung(step=i, primitive=prim, reason=text, parallel=pr, memory_gib=e.memory.gib(),
+        rungs.append(Rung(step=i, primitive=prim, reason=text, parallel=pr, memory_gib=e.memory.gib(), micro_batch=mb,
+                          headroom_gib=round((usable - e.memory.total) / GiB, 3),
                           total_bytes=e.memory.total, fits=e.memory.total <= usable, step_time_s=e.step_time.total_s,
                           mfu=e.step_time.mfu, comm_fraction=e.step_time.comm_fraction))
         prev = e
@@ -238,25 +247,30 @@ def _heaviest(base: Config) -> dict[str, Any]:
 # ----------------------------------------------------------------------------------------------- the plan
 
 
-def _ranked(r: Row) -> RankedLayout:
+def _ranked(r: Row, usable: float, final: Row | None) -> RankedLayout:
     return RankedLayout(parallel=r.parallel, micro_batch=r.micro_batch, gpus_used=r.gpus_used,
-                        total_gib=round(r.total / GiB, 3), step_time_s=r.step_s, mfu=round(r.mfu, 4),
+                        total_gib=round(r.total / GiB, 3), headroom_gib=round((usable - r.total) / GiB, 3),
+                        final=r is final, step_time_s=r.step_s, mfu=round(r.mfu, 4),
                         comm_fraction=round(r.comm_fraction, 4), anti_patterns=r.anti)
 
 
 def plan(model: str | dict[str, Any], gpus_per_node: int = 8, nodes: int = 1, gpu_memory_gib: float | None = None,
-         seq_len: int | None = None, global_batch: int | None = None, *, micro_batch: int = 1,
-         dtype: str = "bfloat16", margin: float = 0.0, hardware: str | None = None, gpu: str | None = None,
+         seq_len: int | None = None, global_batch: int | None = None, *, micro_batch: int | None = None,
+         search_micro_batch: bool | None = None, dtype: str = "bfloat16", margin: float = 0.0,
+         hardware: str | None = None, gpu: str | None = None,
          top: int = 10, probe: dict[str, Any] | None = None, root: str | Path | None = None) -> Plan:
     """Rank every layout of the cluster, pick `final`, and climb to it.
 
     `model` names a config in configs/ (its model section, and its seq_len/global_batch when not given) or is
     an inline model section dict. `gpu` (A100-40, A100-80, H100, H200, B200, MI300X, L40S, CPU) sets the speed
     and the memory budget (capped by gpu_memory_gib when that is smaller); `hardware` names a speed profile only.
-    `micro_batch` is where the micro-batch search starts being allowed (the search tries the powers of two that
-    divide the per-rank batch and this one). `margin` keeps that fraction of the usable memory free on top of
-    the estimator's reserve."""
+    `micro_batch` is kept on every row unless `search_micro_batch` (default: on only when no micro_batch is
+    given) lets the search try the powers of two that divide the per-rank batch (a change is stated in
+    `hints`). `margin` keeps that fraction of the usable memory free on top of the estimator's reserve."""
     t0 = time.perf_counter()
+    given_mb = micro_batch
+    searched = micro_batch is None if search_micro_batch is None else bool(search_micro_batch)
+    micro_batch = micro_batch or 1
     check_cluster(gpus_per_node=gpus_per_node, nodes=nodes, seq_len=seq_len, gpu_memory_gib=gpu_memory_gib,
                   global_batch=global_batch, micro_batch=micro_batch, gpu=gpu)
     if gpu:
@@ -272,9 +286,10 @@ def plan(model: str | dict[str, Any], gpus_per_node: int = 8, nodes: int = 1, gp
     device = "cpu" if (hardware or "").upper() == "CPU" else "cuda"
     cfg = _base(model_sec, train_sec, gpus_per_node, nodes, budget, seq_len, gb, micro_batch, dtype, device)
     hw = resolve_hardware(cfg, hardware, probe)
-    found = search(cfg, hw, margin=margin)
+    found = search(cfg, hw, margin=margin, search_micro_batch=searched)
     label(cfg, found.rows, found.cp_fallback)
-    final_row, best = choose(found.rows, world)
+    usable = (int(budget * GiB) - reserve_bytes(cfg)) * (1 - margin)
+    final_row, best = choose(found.rows, world, usable * (1 - PEAK_ERROR_BAND))
     hints = [f"tp={k} is blocked only by the vocabulary: {vocab_pad_hint(cfg.model.vocab_size, k)}"
              for k in tp_blocked_by_vocab(cfg.model, gpus_per_node)[-1:]]
     if final_row is not None:
@@ -282,6 +297,10 @@ def plan(model: str | dict[str, Any], gpus_per_node: int = 8, nodes: int = 1, gp
     else:
         final, mb = _heaviest(cfg), micro_batch
     rungs = _climb(cfg, final, mb, hw, probe, margin)
+    if given_mb is not None and mb != given_mb:
+        hints.append(f"micro_batch {mb} instead of the given {given_mb} (search_micro_batch searched it: "
+                     f"{final_row.step_s if final_row else float('nan'):.3g} s per step); pass "
+                     f"search_micro_batch=false to keep {given_mb}")
     min_nodes = None if final_row is not None else min_nodes_to_fit(cfg, hw, margin)
     rows = sorted(found.rows, key=lambda r: (r.step_s, r.weight))
     used = final_row.gpus_used if final_row else final["dp"] * final["tp"] * final["pp"] * final["cp"]
@@ -293,10 +312,11 @@ def plan(model: str | dict[str, Any], gpus_per_node: int = 8, nodes: int = 1, gp
         idle = _idle_reason(final_row, found.rows, world, gb)
     return Plan(model=name, gpus=world, gpus_per_node=gpus_per_node, nodes=nodes, gpu_memory_gib=budget,
                 gpu_profile=hw.name, hardware_note=note, seq_len=cfg.train.seq_len, global_batch=gb, micro_batch=mb,
+                micro_batch_given=given_mb, micro_batch_searched=searched, usable_gib=round(usable / GiB, 3),
                 rungs=rungs, final=final,
                 final_patch={**{f"parallel.{k}": v for k, v in final.items()}, "train.micro_batch": mb},
                 final_step_time_s=final_row.step_s if final_row else None, fastest_clean_step_time_s=best,
                 final_anti_patterns=final_row.anti if final_row else [], gpus_used=used, idle_reason=idle,
                 fits=final_row is not None, more_gpus_needed=final_row is None, min_nodes_to_fit=min_nodes,
-                hints=hints, ranked=[_ranked(r) for r in rows[:top]], layouts_valid=found.valid,
+                hints=hints, ranked=[_ranked(r, usable, final_row) for r in rows[:top]], layouts_valid=found.valid,
                 layouts_fitting=len(found.rows), seconds=time.perf_counter() - t0)

@@ -7,12 +7,15 @@ slow: every lever is weighed with its estimate: idle GPUs (more data-parallel ra
 schedule, virtual stages, more micro-batches), the micro-batch (FSDP re-gathers the parameters once per
 micro-batch), TP inside the node when data-parallel communication dominates, PP across nodes, EP for a MoE, and
 HSDP when FSDP spans nodes (parallel.dp_replicate: the shard group inside a node, rules.hsdp_replicas, the size
-the planner searches). Among the options that fit, have no anti-pattern and gain, the lightest rung of the
-ladder within 10% of the fastest wins (the planner's rule, advice/search.py).
+the planner searches); when none of these gains, the planner's layout (advice/planner.py, micro-batch kept).
+Among the options that fit, have no anti-pattern and gain, the lightest rung of the ladder within 10% of the
+fastest wins (the planner's rule, advice/search.py); advice/tune.decide then takes a removal instead when it is
+faster, so "slow" never answers worse than no symptom.
 
-remove (issue 20: "never preemptively"): the heaviest primitive first (CP, EP, PP, TP, HSDP, full -> selective
-recompute, a lower ZeRO stage) whose removal still fits, has no anti-pattern and keeps the step within 10% of
-the current one.
+remove: the heaviest primitive first (CP, EP, PP, TP, HSDP, full -> selective recompute, a lower ZeRO stage)
+whose removal pays: it does nothing where it is (ZeRO at dp x cp = 1, layout_warnings.py), or its removal fits,
+has no anti-pattern and gains at least REMOVE_GAIN of the step (itself, or with the doubled micro-batch that fits
+and pays only without it). A removal within the planner's tie band is churn, not advice.
 """
 
 from __future__ import annotations
@@ -24,9 +27,13 @@ from curry_train.config import Config, from_dict
 from curry_train.estimator import Estimate
 from curry_train.rules import WITHIN, anti_patterns, ep_allowed, hsdp_replicas, pp_allowed, tp_allowed
 
-WEIGHT = {"dp": 0, "micro_batch": 0, "zero": 1, "hsdp": 1, "recompute": 2, "tp": 3, "pp": 4, "ep": 5, "cp": 6}
+WEIGHT = {"dp": 0, "micro_batch": 0, "zero": 1, "hsdp": 1, "recompute": 2, "tp": 3, "pp": 4, "ep": 5, "cp": 6,
+          "plan": 7}  # the planner's layout may change several primitives at once: the heaviest change
 DP_COMM = ("dp", "zero1", "fsdp", "hsdp")
 GAIN = 0.02  # an option must save at least 2% of the step to be worth a change
+# Removing a primitive the user put in place is a change to a working layout: it must gain more than the band in
+# which the planner calls two layouts a tie (rules.WITHIN, 10%), or do nothing at all where it is.
+REMOVE_GAIN = WITHIN
 
 
 def _new_anti(cfg: Config, patch: dict[str, Any]) -> list[str]:
@@ -58,6 +65,42 @@ def _hsdp(cfg: Config) -> list[tuple[str, str, dict[str, Any]]]:
     shard = p.dp * p.cp // r
     return [("hsdp", f"HSDP: dp_replicate {r} (ZeRO-{p.zero} shards over {shard} ranks inside a node, {r} replicas "
              "all-reduce across nodes)", {"parallel.dp_replicate": r})]
+
+
+_KEY_PRIM = (("cp", "cp"), ("ep", "ep"), ("pp", "pp"), ("tp", "tp"), ("recompute", "recompute"), ("zero", "zero"),
+             ("dp_replicate", "hsdp"), ("dp", "dp"))
+
+
+def _primitive(prim: str, patch: dict[str, Any]) -> Any:
+    """The primitive an option is named by: the planner's layout by the heaviest primitive it changes."""
+    if prim != "plan":
+        return prim
+    keys = {k.split(".")[-1] for k in patch}
+    return next((name for key, name in _KEY_PRIM if key in keys), "dp")
+
+
+def _planned(c: Ctx) -> list[tuple[str, str, dict[str, Any]]]:
+    """The planner's final layout for this model, cluster, batch and micro-batch (kept) as one option, so that
+    "slow" weighs every layout `plan` weighs (advice/planner.py), not only single-primitive moves."""
+    from curry_train.advice.planner import plan
+
+    cfg = c.cfg
+    m, t, h = cfg.model, cfg.train, cfg.hardware
+    hw = c.hardware if isinstance(c.hardware, str) else ("CPU" if h.device == "cpu" else None)
+    try:
+        p = plan({"model": m.model_dump(), "train": {"lr": t.lr, "weight_decay": t.weight_decay}}, h.gpus_per_node,
+                 h.nodes, h.gpu_memory_gib, t.seq_len, t.global_batch, micro_batch=t.micro_batch,
+                 search_micro_batch=False, dtype=t.dtype, hardware=hw, probe=c.probe)
+    except ValueError:
+        return []
+    if not p.fits:
+        return []
+    cur = {f"parallel.{k}": v for k, v in cfg.parallel.model_dump().items()}
+    patch = {k: v for k, v in p.final_patch.items() if k in cur and cur[k] != v}
+    if not patch:
+        return []
+    what = ", ".join(f"{k.split('.')[-1]}={v}" for k, v in patch.items())
+    return [("plan", f"the planner's layout ({what})", patch)]
 
 
 def slow(c: Ctx) -> Decision:
@@ -102,14 +145,20 @@ def slow(c: Ctx) -> Decision:
     options += _hsdp(cfg)
     good: list[tuple[str, str, Alt]] = []
     refused: dict[str, str] = {}
-    for prim, name, patch in options:
-        alt = c.weigh(name, patch)
-        if alt.after is None:
-            refused.setdefault(prim, alt.refused)
-            continue
-        if alt.after.memory.total <= c.est.usable_bytes and alt.after.step_time.total_s < st.total_s * (1 - GAIN) \
-                and _clean(cfg, patch):
-            good.append((prim, name, alt))
+
+    def weigh_all(opts: list[tuple[str, str, dict[str, Any]]]) -> None:
+        for prim, name, patch in opts:
+            alt = c.weigh(name, patch)
+            if alt.after is None:
+                refused.setdefault(prim, alt.refused)
+                continue
+            if alt.after.memory.total <= c.est.usable_bytes and \
+                    alt.after.step_time.total_s < st.total_s * (1 - GAIN) and _clean(cfg, patch):
+                good.append((prim, name, alt))
+
+    weigh_all(options)
+    if not good:  # no one primitive gains: the planner's layout, which may change several, is the lever left
+        weigh_all(_planned(c))
     for prim, why in refused.items():
         if not any(g[0] == prim for g in good):
             c.reject("refused", name=prim, why=why)
@@ -118,8 +167,8 @@ def slow(c: Ctx) -> Decision:
         best = min(a.after.step_time.total_s for _, _, a in good)
         prim, name, alt = min((g for g in good if g[2].after.step_time.total_s <= best * (1 + WITHIN)),
                               key=lambda g: (WEIGHT[g[0]], g[2].after.step_time.total_s))
-        return Decision(prim, alt.patch, alt.after, "slow_pick", {**facts, "name": name, "nodes": h.nodes,
-                                                                   "prim": prim})
+        return Decision(_primitive(prim, alt.patch), alt.patch, alt.after, "slow_pick",
+                        {**facts, "name": name, "nodes": h.nodes, "prim": prim})
     kind = "slow_comm_bound" if st.comm_fraction > 0.5 else "slow_compute_bound"
     return Decision("none", {}, None, kind, facts, more_gpus=False, action="none")
 
@@ -148,8 +197,35 @@ def _removals(cfg: Config) -> list[tuple[str, list[dict[str, Any]]]]:
     return out
 
 
+def _pointless(cfg: Config, prim: str) -> str | None:
+    """Why a primitive in place does nothing (layout_warnings.py), or None."""
+    p = cfg.parallel
+    if prim == "zero" and p.dp * p.cp == 1:
+        return "ZeRO shards over the data-parallel ranks and dp x cp = 1 here (nothing to shard over)"
+    return None
+
+
+def _spend(c: Ctx, patch: dict[str, Any]) -> tuple[dict[str, Any], Estimate] | None:
+    """The removal with a doubled micro-batch (fewer per-micro-batch gathers), when that fits, is valid and clean
+    and the doubled micro-batch alone does not already fit (then the micro-batch, not the removal, is the gain)."""
+    t = c.cfg.train
+    if t.global_batch % (patch.get("parallel.dp", c.cfg.parallel.dp) * 2 * t.micro_batch):
+        return None
+    both = {**patch, "train.micro_batch": 2 * t.micro_batch}
+    alone = c.weigh(f"double micro_batch to {2 * t.micro_batch}", {"train.micro_batch": 2 * t.micro_batch})
+    if alone.after is not None and alone.after.memory.total <= c.est.usable_bytes and \
+            alone.after.step_time.total_s <= c.est.step_time.total_s * (1 - REMOVE_GAIN):
+        return None
+    alt = c.weigh(f"remove and micro_batch {2 * t.micro_batch}", both)
+    if alt.after is None or alt.after.memory.total > c.est.usable_bytes or not _clean(c.cfg, both):
+        return None
+    return both, alt.after
+
+
 def remove(c: Ctx) -> Decision:
-    """The heaviest primitive in place that the estimate says is unnecessary; `nothing` when each is needed."""
+    """The heaviest primitive in place whose removal pays: it does nothing (ZeRO at dp x cp = 1), or taking it
+    out gains at least REMOVE_GAIN of the step, alone or with a doubled micro-batch that pays only without it;
+    `nothing` when each is needed."""
     cfg, st = c.cfg, c.est.step_time
     needed: list[dict[str, Any]] = []
     for prim, patches in _removals(cfg):
@@ -160,20 +236,31 @@ def remove(c: Ctx) -> Decision:
             if e is None:
                 why = why or {"refused": alt.refused}
                 continue
+            facts = {"before_step": st.total_s, "after_step": e.step_time.total_s, "before_total": c.est.memory.total,
+                     "after_total": e.memory.total, "value": _value(cfg, prim),
+                     "patch": ", ".join(f"{k}={v}" for k, v in patch.items())}
+            pointless = _pointless(cfg, prim)
+            if pointless and e.memory.total <= c.est.usable_bytes:
+                return Decision(prim, patch, e, "remove_pointless", {**facts, "why": pointless}, action="remove")
             if e.memory.total > c.est.usable_bytes:
                 why = why or {"over": e.memory.total}
-                continue
-            if e.step_time.total_s > st.total_s * (1 + WITHIN):
-                why = why or {"slower": e.step_time.total_s}
                 continue
             if not _clean(cfg, patch):
                 why = why or {"anti": _new_anti(cfg, patch)}
                 continue
-            return Decision(prim, patch, e, "remove", {"before_step": st.total_s, "after_step": e.step_time.total_s,
-                                                       "before_total": c.est.memory.total,
-                                                       "after_total": e.memory.total, "value": _value(cfg, prim),
-                                                       "patch": ", ".join(f"{k}={v}" for k, v in patch.items())},
-                            action="remove")
+            gain = e.step_time.total_s / st.total_s - 1 if st.total_s else 0.0
+            if gain > -REMOVE_GAIN:  # not enough alone: does the larger micro-batch it leaves room for pay?
+                spent = _spend(c, patch)
+                if spent and spent[1].step_time.total_s <= st.total_s * (1 - REMOVE_GAIN):
+                    both, e2 = spent
+                    return Decision(prim, both, e2, "remove", {
+                        **facts, "after_step": e2.step_time.total_s, "after_total": e2.memory.total,
+                        "gain": e2.step_time.total_s / st.total_s - 1, "micro_batch": both["train.micro_batch"],
+                        "patch": ", ".join(f"{k}={v}" for k, v in both.items())}, action="remove")
+            if gain > -REMOVE_GAIN:
+                why = why or {"gain": gain, "step": e.step_time.total_s}
+                continue
+            return Decision(prim, patch, e, "remove", {**facts, "gain": gain}, action="remove")
         needed.append({"name": prim, "value": _value(cfg, prim), **(why or {})})
     return Decision("none", {}, None, "nothing", {"needed": needed}, action="none")
 
@@ -185,18 +272,23 @@ def _value(cfg: Config, prim: str) -> str:
             "recompute": f"recompute={p.recompute}", "zero": f"zero={p.zero}"}[prim]
 
 
-def decide(c: Ctx, symptom: str, measured: bool) -> Decision:
-    """The answer for `symptom`: an estimated OOM first whatever the symptom; a given OOM the estimate does not
-    show needs a measurement; "slow" (given, or derived: communication-bound) weighs the levers; otherwise, or
-    when a derived "slow" finds no lever, the unnecessary primitive in place, if any."""
-    if c.est.memory.total > c.est.usable_bytes:
+def decide(c: Ctx, symptom: str, evidence: str) -> Decision:
+    """The answer for `symptom` given the `evidence` of an OOM (decide.oom_evidence): an estimated, measured or
+    within-band OOM climbs the OOM ladder; an unconfirmed one names that rung for if a measurement confirms it;
+    "slow" weighs every lever and every removal the no-symptom path weighs and takes the faster; otherwise the
+    primitive in place whose removal gains, if any."""
+    if evidence in ("estimate", "measured", "within_band"):
         return oom(c)
-    if symptom == "oom":
-        if not measured:
-            return Decision("none", {}, None, "oom_unmeasured", {}, action="none")
-        return oom(c)
+    if evidence == "unconfirmed":
+        nxt = oom(c)  # the rung an OOM would get, for if the measurement confirms it
+        return Decision("none", {}, None, "oom_unmeasured", {"next_patch": nxt.patch, "next": nxt.primitive},
+                        action="none")
     if symptom == "slow":
         d = slow(c)
+        r = remove(c)
+        if r.action == "remove" and (d.action == "none" or r.after.step_time.total_s < d.after.step_time.total_s):
+            return r
         if d.action != "none" or c.symptom_given:
             return d
-    return remove(c)  # nothing wrong (or nothing speeds it up): is a primitive in place unnecessary?
+        return r
+    return remove(c)  # nothing wrong: is a primitive in place costing time?

@@ -76,26 +76,38 @@ def _human_rec(r: Any) -> str:
     return "\n".join(lines)
 
 
+def _layout(par: dict[str, Any], mb: int) -> str:
+    """Every key that tells two layouts apart: sizes, ZeRO stage, recompute, schedule, HSDP replicas, micro-batch."""
+    pp = f"pp{par['pp']}" + (f"({par['pp_schedule']} v{par['pp_virtual']})" if par["pp"] > 1 else "")
+    dp = f"dp{par['dp']}" + (f"(r{par['dp_replicate']})" if par.get("dp_replicate", 1) > 1 else "")
+    return (f"{dp} z{par['zero']} tp{par['tp']}{'+sp' if par.get('sp') else ''} {pp} cp{par['cp']} ep{par['ep']} "
+            f"rc:{par['recompute']} mb{mb}")
+
+
 def _human_plan(p: Any) -> str:
-    lines = [(f"{p.model} on {p.nodes} x {p.gpus_per_node} GPUs ({p.gpu_memory_gib} GiB), seq {p.seq_len}, global "
-             f"batch {p.global_batch}: {'fits' if p.fits else 'does not fit'} ({p.seconds * 1e3:.0f} ms)")]
+    mb = (f"micro-batch {p.micro_batch}" + (" (searched)" if p.micro_batch_searched else " (kept)"))
+    lines = [(f"{p.model} on {p.nodes} x {p.gpus_per_node} GPUs ({p.gpu_memory_gib} GiB, usable {p.usable_gib:.1f} "
+             f"GiB), seq {p.seq_len}, global batch {p.global_batch}, {mb}: {'fits' if p.fits else 'does not fit'} "
+             f"({p.seconds * 1e3:.0f} ms)")]
     for r in p.rungs:
-        par = r.parallel
-        lines.append(f"  {r.step:2d} {r.primitive:10s} dp{par['dp']} z{par['zero']} tp{par['tp']} pp{par['pp']} "
-                     f"cp{par['cp']} ep{par['ep']} rc:{par['recompute']:9s} {_gib(r.memory_gib['total'] * 2**30):>10s} "
-                     f"{'fits' if r.fits else 'OOM '} step {r.step_time_s:.3g} s")
+        last = " <- final" if r is p.rungs[-1] and p.fits else ""
+        lines.append(f"  {r.step:2d} {r.primitive:10s} {_layout(r.parallel, r.micro_batch)} "
+                     f"{_gib(r.memory_gib['total'] * 2**30):>10s} {'fits' if r.fits else 'OOM '} headroom "
+                     f"{r.headroom_gib:.1f} GiB, step {r.step_time_s:.3g} s{last}")
     if getattr(p, "idle_reason", None):
         lines.append(f"  idle GPUs: {p.idle_reason}")
     if getattr(p, "min_nodes_to_fit", None):
         lines.append(f"  more GPUs: a layout fits from {p.min_nodes_to_fit} nodes of {p.gpus_per_node}")
     lines += [f"  hint: {h}" for h in getattr(p, "hints", [])]
-    lines.append(f"  {p.layouts_valid} valid layouts, {p.layouts_fitting} fit; fastest:")
+    lines.append(f"  {p.layouts_valid} valid layouts, {p.layouts_fitting} fit" + ("; fastest:" if p.ranked else ""))
+    seen = set()
     for lay in p.ranked[:5]:
-        par = lay.parallel
-        lines.append(f"     dp{par['dp']} z{par['zero']} tp{par['tp']} pp{par['pp']}({par['pp_schedule']}) "
-                     f"cp{par['cp']} ep{par['ep']} rc:{par['recompute']} {_gib(lay.total_gib * 2**30)}, "
-                     f"{lay.step_time_s:.3g} s, "
-                     f"MFU {lay.mfu:.1%}")
+        text = (f"     {_layout(lay.parallel, lay.micro_batch)} {_gib(lay.total_gib * 2**30)} (headroom "
+                f"{lay.headroom_gib:.1f} GiB), {lay.step_time_s:.3g} s, MFU {lay.mfu:.1%}"
+                + (" <- final" if lay.final else ""))
+        if text not in seen:  # distinct rows only
+            seen.add(text)
+            lines.append(text)
     return "\n".join(lines)
 
 
@@ -165,8 +177,8 @@ def _cmd_plan(a: argparse.Namespace) -> int:
     try:
         hardware, budget = gpu_budget(a.gpu, a.gpu_memory_gib, a.hardware)
         p = plan(a.model, a.gpus_per_node, a.nodes, 80.0 if budget is None else budget, a.seq_len, a.global_batch,
-                 micro_batch=a.micro_batch, dtype=a.dtype, margin=a.margin, hardware=hardware, top=a.top,
-                 root=a.root)
+                 micro_batch=a.micro_batch, search_micro_batch=a.search_micro_batch, dtype=a.dtype,
+                 margin=a.margin, hardware=hardware, top=a.top, root=a.root)
     except ValueError as e:
         if type(e).__name__ == "ConfigError":
             raise
@@ -224,7 +236,10 @@ def add_subcommands(subparsers: Any) -> None:
     p.add_argument("--seq-len", type=int_at_least_2, default=None, help="tokens per sequence (default: the config's)")
     p.add_argument("--global-batch", type=positive_int, default=None,
                    help="sequences per step (default: the config's)")
-    p.add_argument("--micro-batch", type=positive_int, default=1, help="sequences per rank per forward")
+    p.add_argument("--micro-batch", type=positive_int, default=None,
+                   help="sequences per rank per forward, kept on every layout (default: searched)")
+    p.add_argument("--search-micro-batch", action=argparse.BooleanOptionalAction, default=None,
+                   help="search the micro-batch (default: only when --micro-batch is not given)")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="compute dtype")
     p.add_argument("--margin", type=float_in(0.0, 1.0, lo_open=False), default=0.0,
                    help="extra fraction of usable memory to keep free, in [0, 1)")

@@ -54,8 +54,7 @@ def apply_ep(model: nn.Module, mesh: Any, cfg: Config) -> None:
         # ZeroRedundancyOptimizer partitions and broadcasts *every* parameter over dp x cp, which would copy
         # one rank's experts over another's.
         raise ValueError("parallel.zero=1 with parallel.ep>1 is not supported; use zero=0 (DDP) or zero>=2 (FSDP)")
-    if cfg.parallel.sp:
-        raise ValueError("MoE with parallel.sp=true is not supported (experts would see T/tp tokens); use sp=false")
+    # sp=true with ep > 1 is refused before launch (curry_train/rules/validity.py: check)
     ep_mesh, _ = ep_meshes(mesh, ep)
     group, rank = ep_mesh.get_group(), ep_mesh.get_local_rank()
     El = cfg.model.num_experts // ep

@@ -1,0 +1,181 @@
+"""Which layouts may launch: `check(cfg)` returns every cross-field problem (fields, what is wrong, the fix); an
+empty list means the config may launch. config.check / validate_config refuse a launch on any problem, before a
+process starts; the planner's enumeration uses the same function as its validity filter.
+
+    python -c "from curry_train.config import Config; from curry_train.rules import check; \
+print(check(Config.model_validate({'parallel': {'tp': 3}})))"
+
+Torch-free, without runtime imports from `curry_train.config` (it imports this package).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from pydantic import BaseModel
+
+from curry_train.pipeline_split import check_pp_layers
+
+if TYPE_CHECKING:  # type hints only: config.py imports this package at runtime
+    from curry_train.config import Config
+
+
+class Problem(BaseModel):
+    """One thing wrong with a config: which fields, what is wrong, how to fix it."""
+
+    fields: list[str]
+    message: str
+    fix: str
+
+    def __str__(self) -> str:
+        return f"{', '.join(self.fields)}: {self.message}. Fix: {self.fix}"
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def tp_choices(val: int, gpus_per_node: int) -> list[int]:
+    """TP sizes > 1 a hint may offer for a dimension of size `val`: they divide it and gpus_per_node (a TP group
+    never straddles two nodes); [1] when none does (n_heads=71 on 8 GPUs per node)."""
+    return [d for d in divisors(val) if d > 1 and gpus_per_node % d == 0] or [1]
+
+
+def check(cfg: Config) -> list[Problem]:
+    """Every cross-field rule; an empty list means the config may launch."""
+    m, t, p, h = cfg.model, cfg.train, cfg.parallel, cfg.hardware
+    out: list[Problem] = []
+
+    def bad(fields: list[str], message: str, fix: str) -> None:
+        out.append(Problem(fields=fields, message=message, fix=fix))
+
+    if m.d_model % m.n_heads:
+        bad(["model.d_model", "model.n_heads"], f"d_model={m.d_model} is not divisible by n_heads={m.n_heads}",
+            f"pick n_heads among {divisors(m.d_model)[:12]}")
+    elif (m.d_model // m.n_heads) % 2:
+        bad(["model.d_model", "model.n_heads"], f"head dim {m.d_model // m.n_heads} is odd; RoPE rotates pairs",
+            "use an even d_model / n_heads")
+    if m.n_heads % m.n_kv_heads:
+        bad(["model.n_kv_heads", "model.n_heads"], f"n_heads={m.n_heads} is not divisible by n_kv_heads={m.n_kv_heads}",
+            f"pick n_kv_heads among {divisors(m.n_heads)}")
+    if p.tp > 1:
+        for field, val in (("model.n_heads", m.n_heads), ("model.n_kv_heads", m.n_kv_heads),
+                           ("model.vocab_size", m.vocab_size)):
+            if val % p.tp:
+                bad([field, "parallel.tp"], f"{field.split('.')[1]}={val} is not divisible by tp={p.tp}",
+                    f"use tp in {tp_choices(val, h.gpus_per_node)}" + (f" or {vocab_pad_hint(val, p.tp)}" if "vocab" in field else ""))
+        if m.d_ff % p.tp:
+            bad(["model.d_ff", "parallel.tp"], f"d_ff={m.d_ff} is not divisible by tp={p.tp}",
+                "use a tp that divides d_ff")
+    if p.sp and p.tp == 1:
+        bad(["parallel.sp", "parallel.tp"], "sp=true shards the sequence over the TP group, but tp=1",
+            "set parallel.tp >= 2 or parallel.sp=false")
+    if p.sp and t.seq_len % p.tp:
+        bad(["train.seq_len", "parallel.tp", "parallel.sp"], f"seq_len={t.seq_len} is not divisible by tp={p.tp}",
+            "with sp=true seq_len must be a multiple of tp")
+    stages = p.pp * p.pp_virtual
+    if m.n_layers < stages:
+        bad(["model.n_layers", "parallel.pp", "parallel.pp_virtual"],
+            f"n_layers={m.n_layers} cannot give each of pp*pp_virtual={stages} stages a layer",
+            f"use pp*pp_virtual <= {m.n_layers}")
+    else:
+        why = check_pp_layers(p.pp_layers, m.n_layers, stages)
+        if why:
+            bad(["parallel.pp_layers", "model.n_layers"], why,
+                f"give {stages} positive layer counts summing to {m.n_layers}, or drop pp_layers to split by cost")
+    if p.pp_schedule in ("interleaved_1f1b", "zero_bubble") and p.pp > 1 and p.pp_virtual < 2:
+        bad(["parallel.pp_schedule", "parallel.pp_virtual"], f"{p.pp_schedule} needs pp_virtual >= 2 chunks per rank",
+            "set parallel.pp_virtual=2, or use pp_schedule=1f1b")
+    if p.pp_virtual > 1 and p.pp == 1:
+        bad(["parallel.pp_virtual", "parallel.pp"], "pp_virtual > 1 needs a pipeline (pp >= 2)",
+            "set parallel.pp_virtual=1 or parallel.pp >= 2")
+    if p.pp_virtual > 1 and p.pp_schedule in ("gpipe", "1f1b"):
+        bad(["parallel.pp_schedule", "parallel.pp_virtual"], f"{p.pp_schedule} runs one chunk per rank",
+            "use pp_schedule=interleaved_1f1b or zero_bubble, or pp_virtual=1")
+    if m.num_experts:
+        if m.top_k > m.num_experts:
+            bad(["model.top_k", "model.num_experts"], f"top_k={m.top_k} > num_experts={m.num_experts}",
+                "use top_k <= num_experts")
+        if m.num_experts % p.ep:
+            bad(["model.num_experts", "parallel.ep"], f"num_experts={m.num_experts} is not divisible by ep={p.ep}",
+                f"use ep in {divisors(m.num_experts)}")
+    elif p.ep > 1:
+        bad(["parallel.ep", "model.num_experts"], "expert parallel needs a MoE model, but num_experts=0",
+            "set parallel.ep=1 (dense models have no experts to shard)")
+    if p.ep > 1 and p.dp % p.ep:
+        bad(["parallel.ep", "parallel.dp"], f"ep={p.ep} is carved from the dp ranks but does not divide dp={p.dp}",
+            f"use ep in {divisors(p.dp)}")
+    if t.seq_len % (2 * p.cp) and p.cp > 1:
+        bad(["train.seq_len", "parallel.cp"],
+            f"seq_len={t.seq_len} is not divisible by 2*cp={2 * p.cp} (each CP rank holds a head and a tail chunk)",
+            f"use a seq_len that is a multiple of {2 * p.cp}")
+    if p.cp > 1 and p.sp:
+        bad(["parallel.cp", "parallel.sp"], "context parallel and sequence parallel both shard the sequence",
+            "use parallel.sp=false with cp > 1")
+    if m.num_experts and p.ep > 1 and p.sp:  # parallel/expert_parallel.py routes every token of the sequence
+        bad(["parallel.sp", "parallel.ep"], "sequence parallel with expert parallel is not supported: the "
+            "experts' all-to-all would route only this TP rank's 1/tp of the sequence",
+            "set parallel.sp=false with ep > 1 (or parallel.ep=1)")
+    if p.dp_replicate > 1:
+        if p.dp % p.dp_replicate:
+            bad(["parallel.dp_replicate", "parallel.dp"], f"dp_replicate={p.dp_replicate} does not divide "
+                f"dp={p.dp} (HSDP splits the dp ranks into replica groups of equal size)",
+                f"use dp_replicate in {divisors(p.dp)}")
+        if p.zero < 2:
+            bad(["parallel.dp_replicate", "parallel.zero"], f"dp_replicate={p.dp_replicate} needs sharded "
+                f"parameters (HSDP = FSDP inside a group, replicas across groups), but zero={p.zero}",
+                "set parallel.zero=2 or 3, or parallel.dp_replicate=1")
+        if m.num_experts and p.ep > 1:
+            bad(["parallel.dp_replicate", "parallel.ep"], "HSDP with expert parallel is not supported (experts "
+                "are sharded over their own expert-data-parallel group)", "use parallel.dp_replicate=1 with ep")
+    if t.global_batch % (p.dp * t.micro_batch):
+        bad(["train.global_batch", "parallel.dp", "train.micro_batch"],
+            f"global_batch={t.global_batch} is not divisible by dp*micro_batch={p.dp * t.micro_batch}",
+            f"use global_batch a multiple of {p.dp * t.micro_batch}, or change micro_batch")
+    elif p.pp > 1:
+        n_micro = cfg.num_microbatches
+        if n_micro < p.pp:
+            bad(["train.global_batch", "train.micro_batch", "parallel.pp"],
+                f"the pipeline needs at least pp={p.pp} micro-batches per step, got "
+                f"global_batch/(dp*micro_batch)={n_micro}",
+                f"raise global_batch to {p.pp * p.dp * t.micro_batch} or lower micro_batch")
+        elif p.pp_virtual > 1 and n_micro % p.pp:
+            bad(["train.global_batch", "train.micro_batch", "parallel.pp"],
+                f"{p.pp_schedule} needs the micro-batch count ({n_micro}) to be a multiple of pp={p.pp}",
+                f"use global_batch a multiple of {p.pp * p.dp * t.micro_batch}")
+    if p.dp * p.cp > 1 and p.zero < 2 and p.tp > 1:  # DDP's bucketed all-reduce takes plain tensors only
+        bad(["parallel.zero", "parallel.tp"], f"zero={p.zero} wraps the model in DDP, which in this template "
+            "cannot hold tensor-parallel (DTensor) parameters (Megatron-LM's TP with DDP or its distributed "
+            "optimizer, i.e. ZeRO-1, is a standard layout there; this template runs TP as torchtitan does)",
+            "use parallel.zero=2 or 3 with tp (FSDP2 shards the TP shards along dp, as torchtitan does)")
+    if p.dp * p.cp > 1 and p.zero < 2 and p.pp > 1 and p.pp_schedule == "zero_bubble":
+        bad(["parallel.zero", "parallel.pp_schedule"], f"zero={p.zero} (DDP) all-reduces when the last "
+            "micro-batch's backward ends, but zero_bubble runs some weight-gradient passes after it (gradients "
+            "would be wrong)", "use parallel.zero=2 or 3 with zero_bubble, or pp_schedule=interleaved_1f1b")
+    if m.num_experts and p.ep > 1 and p.zero == 1 and p.dp * p.cp > 1:
+        bad(["parallel.zero", "parallel.ep"], "ZeRO-1 (ZeroRedundancyOptimizer) broadcasts every updated "
+            "parameter from its owner, which would overwrite one EP rank's experts with another's",
+            "use parallel.zero=0 (DDP) or 2/3 (FSDP, experts sharded over the expert-data-parallel ranks)")
+    nodes_gpus = h.gpus_per_node * h.nodes
+    if cfg.world_size > nodes_gpus:
+        bad(["hardware.gpus_per_node", "hardware.nodes"],
+            f"world size dp*tp*pp*cp = {p.dp}*{p.tp}*{p.pp}*{p.cp} = {cfg.world_size} exceeds "
+            f"gpus_per_node*nodes = {nodes_gpus}",
+            "shrink the parallel sizes or raise hardware.nodes")
+    if p.tp > h.gpus_per_node:
+        bad(["parallel.tp", "hardware.gpus_per_node"], f"tp={p.tp} spans more than one node ({h.gpus_per_node} "
+            "GPUs per node); TP all-reduces every layer and needs the node's fast link", "keep tp <= gpus_per_node")
+    elif h.gpus_per_node % p.tp:
+        bad(["parallel.tp", "hardware.gpus_per_node"], f"tp={p.tp} does not divide gpus_per_node="
+            f"{h.gpus_per_node}: some TP groups would straddle two nodes",
+            f"use tp in {divisors(h.gpus_per_node)}")
+    return out
+
+
+def vocab_pad_hint(vocab: int, tp: int) -> str:
+    """Megatron pads the vocabulary to a multiple of 64 * tp (make-vocab-size-divisible-by 128 by default, times
+    tp), so the embedding and the LM head split evenly over the TP group."""
+    mult = 64 * tp
+    return f"pad model.vocab_size {vocab} to {-(-vocab // mult) * mult} (a multiple of 64*tp = {mult}, as Megatron does)"
+
+
