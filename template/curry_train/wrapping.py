@@ -1,7 +1,7 @@
 """Which data-parallel wrapper and which mixed-precision path a layout gets: the one home of this rule.
 
 The template (parallel/parallelize.py), the estimator (estimator/layout.py and the terms built on it), the rules
-(rules.py) and the planted bugs (validation/inject.py) all ask these functions, so the rule cannot drift between
+(rules/) and the planted bugs (validation/inject.py) all ask these functions, so the rule cannot drift between
 what runs and what is modelled. Pure arithmetic over the degrees: no torch, importable by the torch-free estimator.
 
 The rule (docs/ARCHITECTURE.md, "One rung"): data parallelism runs over the flattened dp x cp group, because CP

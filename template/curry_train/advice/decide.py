@@ -235,7 +235,7 @@ def oom(c: Ctx) -> Decision:
 
     # 4. full sharding + full recompute. Long sequences whose activations are what overflows may take CP ("use
     # CP instead of larger TP", Megatron's context-parallel guide; the seed's CP rung with its proven need), but
-    # TP + SP also splits the activations: both are weighed and the faster that fits wins (issue 15).
+    # TP + SP also splits the activations: both are weighed and the faster that fits wins.
     m = cfg.model
     act_share = c.est.memory.activations / max(c.est.memory.total, 1)
     cp_pick = None
@@ -314,7 +314,7 @@ def oom(c: Ctx) -> Decision:
 
 def _tp_patches(cfg: Config) -> list[dict[str, Any]]:
     """TP sizes inside a node (divisors of gpus_per_node) carved from dp, or from cp once dp is used up (TP after
-    CP: issue 15). SP goes with TP except under CP (both shard the sequence)."""
+    CP). SP goes with TP except under CP (both shard the sequence)."""
     p, t, h = cfg.parallel, cfg.train, cfg.hardware
     out = []
     for tp in divisors(h.gpus_per_node):

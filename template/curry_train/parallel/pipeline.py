@@ -57,7 +57,7 @@ def schedule_name(cfg: Config) -> str:
 
 
 def stage_ids(pp_rank: int, cfg: Config) -> list[int]:
-    """Stage indices held by pipeline rank `pp_rank`, in the order the schedule expects (rules.py: looped, or
+    """Stage indices held by pipeline rank `pp_rank`, in the order the schedule expects (rules/: looped, or
     a V for ScheduleZBVZeroBubble so the turn stays local); the estimator uses the same function."""
     p = cfg.parallel
     return pipeline_stage_ids(p.pp, p.pp_virtual, p.pp_schedule, pp_rank)
