@@ -29,7 +29,8 @@ TOOLS = {
     "capacity_sweep": None,  # config plus sweep options; checked against the live input schema instead
 }
 EXPENSIVE = {"bench", "whitebox_compare"}  # torchrun launches: a handful of conversations only
-PRIMITIVES = ("none", "recompute", "zero", "zero1", "zero2", "zero3", "hsdp", "tp", "pp", "ep", "cp", "dp", "micro_batch")
+PRIMITIVES = ("none", "recompute", "zero", "zero1", "zero2", "zero3", "hsdp", "tp", "pp", "ep", "cp", "dp",
+              "micro_batch")
 ERAS = ("auto", "legacy")
 
 # What the conversation set as a whole must exercise: every rung and anti-pattern of the stage-4 ladder, plus the

@@ -71,7 +71,8 @@ def _refuse_unknown_arguments() -> None:
 
 # What to do about each kind of pydantic argument error, in the words of a user, not of pydantic's types.
 _FIXES = {
-    "int_parsing": "give a whole number", "int_type": "give a whole number", "int_from_float": "give a whole number", "int_parsing_size": "give a whole number below 2**63",
+    "int_parsing": "give a whole number", "int_type": "give a whole number", "int_from_float": "give a whole number",
+    "int_parsing_size": "give a whole number below 2**63",
     "float_parsing": "give a number", "float_type": "give a number", "finite_number": "give a finite number",
     "bool_parsing": "pass true or false", "bool_type": "pass true or false",
     "string_type": "pass a string", "dict_type": "pass an object of name: value", "list_type": "pass a list",

@@ -1,4 +1,5 @@
-"""The CLI end to end through torchrun: exit codes 0 / 1 / 2, one JSON object on stdout, nothing launched on bad input."""
+"""The CLI end to end through torchrun: exit codes 0 / 1 / 2, one JSON object on stdout, nothing launched on bad
+input."""
 
 from __future__ import annotations
 

@@ -40,7 +40,8 @@ def fake_runs(monkeypatch):
         cfg, _ = service.resolve(name, overrides, root)
         calls["resume"].append(resume)
         start = int(resume.rsplit("-", 1)[1]) if resume else 0
-        ck = Path(root) / "runs" / f"bench-{len(calls['bench']) + 1}" / "checkpoints" / f"step-{start + warmup + steps:06d}"
+        ck = (Path(root) / "runs" / f"bench-{len(calls['bench']) + 1}" / "checkpoints"
+              / f"step-{start + warmup + steps:06d}")
         if save_checkpoint:
             ck.mkdir(parents=True)  # an empty stand-in: the climb only passes it on, and deletes it when done
         ck = str(ck)

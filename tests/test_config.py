@@ -12,7 +12,8 @@ TINY = PRESETS / "tiny.yaml"
 # Every override set the parallel issues use must validate on tiny.
 VALID_ON_TINY = [
     {}, {"parallel.dp": 2}, {"parallel.dp": 4}, {"parallel.dp": 2, "parallel.zero": 3},
-    {"parallel.recompute": "selective"}, {"parallel.tp": 2}, {"parallel.tp": 4}, {"parallel.tp": 2, "parallel.sp": True},
+    {"parallel.recompute": "selective"}, {"parallel.tp": 2}, {"parallel.tp": 4},
+    {"parallel.tp": 2, "parallel.sp": True},
     {"parallel.pp": 2}, {"parallel.pp": 4}, {"parallel.pp": 2, "parallel.pp_schedule": "gpipe"},
     {"parallel.pp": 2, "parallel.pp_schedule": "interleaved_1f1b", "parallel.pp_virtual": 2},
     {"parallel.pp": 2, "parallel.pp_schedule": "zero_bubble", "parallel.pp_virtual": 2},

@@ -4,8 +4,8 @@
 
 Every inline-code call in the two pages, `name(a, b=1, ...)` or `module.name(a)`, is looked up with `ast` (nothing
 is imported) among the functions, methods and classes of curry_train and curry_train_mcp: a quoted name must be
-defined there (or be torch's or pydantic's, listed below), and its quoted parameters must be parameters of that definition in
-the quoted order (a class: its __init__, or its fields in order). `...` stands for parameters left out.
+defined there (or be torch's or pydantic's, listed below), and its quoted parameters must be parameters of that
+definition in the quoted order (a class: its __init__, or its fields in order). `...` stands for parameters left out.
 """
 
 from __future__ import annotations

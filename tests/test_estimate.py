@@ -147,7 +147,8 @@ def test_every_preset_validates_and_estimates():  # its speed: benchmarks/planne
 
 
 def test_the_estimator_never_imports_torch():
-    code = ("import sys, curry_train.estimator, curry_train.advice.advisor, curry_train.advice.planner, curry_train.advice.sweep; "
+    code = ("import sys, curry_train.estimator, curry_train.advice.advisor, curry_train.advice.planner, "
+            "curry_train.advice.sweep; "
             "from curry_train.advice.planner import plan; plan('llama3-8b', 8, 1, 80.0, 8192, 512); "
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -87,7 +87,8 @@ def test_stdout_carries_only_jsonrpc_while_a_multirank_bench_runs(project):
                 "protocolVersion": "2025-06-18", "capabilities": {}, "clientInfo": {"name": "raw", "version": "0"}}},
             {"jsonrpc": "2.0", "method": "notifications/initialized"},
             {"jsonrpc": "2.0", "id": 2, "method": "tools/call", "params": {
-                "name": "bench", "arguments": {"config": "tiny", "steps": 2, "overrides": {"parallel.dp": 2}, "plot": True},
+                "name": "bench",
+                "arguments": {"config": "tiny", "steps": 2, "overrides": {"parallel.dp": 2}, "plot": True},
                 "_meta": {"progressToken": "p1"}}}]
     proc = subprocess.Popen(SERVER, cwd=project, env={**os.environ, **_env(project)}, text=True,
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)

@@ -119,7 +119,8 @@ def test_final_is_the_lightest_clean_layout_within_ten_percent_and_uses_the_gpus
         assert par["cp"] == 1 or seq >= 32768
         assert par["dp"] * par["cp"] > 1 or par["zero"] == 0  # ZeRO stages at dp=1 collapse into one row
         r_ = par["dp_replicate"]  # HSDP: zero >= 2, replicas dividing dp, the shard group inside one node
-        assert r_ == 1 or (par["zero"] >= 2 and par["dp"] % r_ == 0 and 8 % (par["dp"] * par["cp"] // r_ * par["tp"]) == 0)
+        assert r_ == 1 or (par["zero"] >= 2 and par["dp"] % r_ == 0
+                           and 8 % (par["dp"] * par["cp"] // r_ * par["tp"]) == 0)
 
 
 def test_hsdp_and_uneven_pipeline_stages_are_searched():

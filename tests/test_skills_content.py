@@ -2,7 +2,7 @@
 
     .venv/bin/pytest tests/test_skills*.py -q
 
-Checks read numbers, tool calls, rule names and config keys against the code they quote (rules.py, the planner's
+Checks read numbers, tool calls, rule names and config keys against the code they quote (rules/, the planner's
 climb, the config schema); the decisions with nothing to check them by are key terms per section, not sentences,
 so rewording passes and dropping a decision fails.
 """

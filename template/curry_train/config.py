@@ -27,7 +27,8 @@ class _Section(BaseModel):
 class ModelConfig(_Section):
     vocab_size: int = Field(256, ge=2, description="Vocabulary size (divisible by parallel.tp).")
     d_model: int = Field(64, ge=1, description="Hidden size h.")
-    n_layers: int = Field(4, ge=1, le=4096, description="Transformer blocks L (at least parallel.pp * pp_virtual; at most 4096).")
+    n_layers: int = Field(4, ge=1, le=4096,
+                          description="Transformer blocks L (at least parallel.pp * pp_virtual; at most 4096).")
     n_heads: int = Field(8, ge=1, description="Query heads a (divisible by parallel.tp; d_model % n_heads == 0).")
     n_kv_heads: int = Field(4, ge=1, description="Key/value heads g for GQA (divides n_heads; divisible by tp).")
     d_ff: int = Field(128, ge=1, description="SwiGLU hidden size f (per expert when num_experts > 0).")

@@ -131,9 +131,9 @@ def fsdp_mesh(mesh, dp_replicate: int = 1):
 
     HSDP (Zhao et al. 2023, "PyTorch FSDP", §3.2.2 hybrid sharding; torchtitan's dp_replicate x dp_shard):
     The dp x cp ranks are unflattened into (dp_replicate, dp_shard_cp), replicas slowest, so a shard group is
-    dp/dp_replicate consecutive dp ranks times the cp ranks: with TP (then CP) innermost in the rank order, it stays inside a
-    node when tp * cp * dp_shard <= gpus_per_node. FSDP2 given a 2-D mesh replicates on dim 0 and shards on dim 1:
-    all-gather / reduce-scatter inside the shard group, then an all-reduce of the gradient shards across the
+    dp/dp_replicate consecutive dp ranks times the cp ranks: with TP (then CP) innermost in the rank order, it stays
+    inside a node when tp * cp * dp_shard <= gpus_per_node. FSDP2 given a 2-D mesh replicates on dim 0 and shards on
+    dim 1: all-gather / reduce-scatter inside the shard group, then an all-reduce of the gradient shards across the
     replicas. Built by build_mesh(..., dp_replicate=...).
     """
     if dp_replicate == 1:

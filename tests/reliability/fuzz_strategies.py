@@ -26,7 +26,8 @@ REAL_KEYS = sorted(flatten(load_config(PRESETS / "tiny.yaml").to_dict()))
 BAD_KEYS = ["", ".", "parallel", "parallel.", ".dp", "parallel.dp.x", "a.b.c", "model.__class__", "__proto__",
             "parallel.nope", "PARALLEL.DP", "parallel..dp", "hardware.gpu_memory_gib.0", "train", "x" * 300]
 VALID_OVERRIDES = [{}, {"parallel.dp": 2}, {"parallel.zero": 1, "parallel.dp": 2}, {"parallel.recompute": "full"},
-                   {"hardware.gpu_memory_gib": 0.004}, {"parallel.tp": 2, "parallel.dp": 1}, {"train.seed": 3}, {"parallel": {"dp": 2}}]
+                   {"hardware.gpu_memory_gib": 0.004}, {"parallel.tp": 2, "parallel.dp": 1}, {"train.seed": 3},
+                   {"parallel": {"dp": 2}}]
 INVALID_OVERRIDES = [{"parallel.nope": 1}, {"parallel.tp": 3}, {"parallel.dp": 0}, {"parallel.dp": "two"},
                      {"train.seq_len": -1}, {"parallel.recompute": "sometimes"}, {"": 1}, {"parallel": 1}]
 NOT_BOOL = st.sampled_from(["maybe", 2, -1, 0.5, [], {}, [True], "tru", "enabled", None])  # lax bool refuses these

@@ -28,8 +28,8 @@ estimator's reserve (CUDA: 2 GiB context/NCCL + 5% fragmentation; CPU: none); sl
 more than half the estimated step. Every answer lists its `alternatives` with their memory and step time.
 
 Deciding and wording are apart: advice/decide.py returns a Decision (primitive, patch, estimate after, `kind` and
-the `facts` it rests on) and every counterfactual as a Rejection; `render` and `render_rejected` (advice/wording.py) are the one
-place that turns them into text.
+the `facts` it rests on) and every counterfactual as a Rejection; `render` and `render_rejected` (advice/wording.py)
+are the one place that turns them into text.
 """
 
 from __future__ import annotations

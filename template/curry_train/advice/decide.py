@@ -272,8 +272,8 @@ def oom(c: Ctx) -> Decision:
         if len(picks) == 2:
             other = [g for k, g in picks if k != kind][0]
             c.reject("cp_vs_tp", chosen=kind, other="tp" if kind == "cp" else "cp", other_patch=other[0],
-                     other_step=other[1].step_time.total_s, other_total=other[1].memory.total, other_fits=c.fits(other[1]),
-                     step=e.step_time.total_s)
+                     other_step=other[1].step_time.total_s, other_total=other[1].memory.total,
+                     other_fits=c.fits(other[1]), step=e.step_time.total_s)
         t = cfg.train
         cp_n, tp_n = patch.get("parallel.cp", p.cp), patch.get("parallel.tp", p.tp)
         # fp32 logits of one micro-batch on one rank, which this template's chunked loss never holds at once

@@ -160,7 +160,8 @@ def _what(prim: str, par: dict[str, Any], mb: int) -> str:
     if prim == "recompute":
         return f"{par['recompute']} activation recompute"
     if prim == "tp":
-        return f"tensor parallel {par['tp']} inside a node{' + sequence parallel' if par['sp'] else ''} (dp={par['dp']})"
+        return (f"tensor parallel {par['tp']} inside a node{' + sequence parallel' if par['sp'] else ''} "
+                f"(dp={par['dp']})")
     if prim == "pp":
         return (f"pipeline parallel {par['pp']} across nodes ({par['pp_schedule']}, {par['pp_virtual']} virtual "
                 f"stage(s) per rank; dp={par['dp']})")

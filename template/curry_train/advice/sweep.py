@@ -11,9 +11,9 @@ accumulation, so FSDP keeps no unsharded gradient accumulators).
 
 The family scales the config's model: widths (d_model, with the head dim fixed, heads, kv heads and d_ff in
 proportion) times depths (n_layers). "Largest" is by parameter count. Measured mode checks the estimator's
-answer with real runs (`curry_train.measure.memory.measure_memory` on the ranks, measure/sweep.py) and binary-searches around it: the
-micro-batch between the last size that fits and the first that does not, the model over the family sorted by
-estimated peak. A run fits when its measured per-rank peak stays under the budget minus the reserve.
+answer with real runs (`curry_train.measure.memory.measure_memory` on the ranks, measure/sweep.py) and binary-searches
+around it: the micro-batch between the last size that fits and the first that does not, the model over the family sorted
+by estimated peak. A run fits when its measured per-rank peak stays under the budget minus the reserve.
 
 This module decides only: it launches nothing. The measurement is handed in as `measure(cfg) -> peak bytes |
 None` (None: the run did not fit); measure/sweep.py supplies the one that runs real ranks.

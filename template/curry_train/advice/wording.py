@@ -166,7 +166,8 @@ _REASON: dict[str, Callable[[str, dict[str, Any], Estimate, Any], str]] = {
         f"{_steps(b.step_time.total_s, e.step_time.total_s)}.{_loss(f)}"),
     "ep": lambda h, f, b, e: (
         f"{h}. A mixture of experts at full sharding: expert parallel puts {f['per_rank']} experts on each rank "
-        f"and routes tokens by all-to-all: {_gib(f['total'])}{_over(f)}, {_steps(b.step_time.total_s, e.step_time.total_s)}"
+        f"and routes tokens by all-to-all: {_gib(f['total'])}{_over(f)}, "
+        f"{_steps(b.step_time.total_s, e.step_time.total_s)}"
         f"{'' if not f['fits'] else ', the fastest of the sizes that fit'}."),
     "tp": lambda h, f, b, e: (
         f"{h}, with zero={f['zero']} and recompute={f['recompute']}. Tensor parallel (+ sequence parallel unless "

@@ -115,7 +115,8 @@ def add_subcommands(sub) -> None:
     p.add_argument("--config", required=True, help="config name in configs/ or a YAML path")
     p.add_argument("--scheduler", required=True, help=f"one of {', '.join(SCHEDULERS)}")
     p.add_argument("--nodes", type=positive_int, default=None, help="nodes (default: hardware.nodes)")
-    p.add_argument("--gpus-per-node", type=positive_int, default=None, help="GPUs per node (default: hardware.gpus_per_node)")
+    p.add_argument("--gpus-per-node", type=positive_int, default=None,
+                   help="GPUs per node (default: hardware.gpus_per_node)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="dotted override, repeatable")
     p.add_argument("--root", default=None, help="project root holding configs/ and runs/ (default: the checkout)")
     p.set_defaults(fn=_cmd_launch_script)

@@ -175,8 +175,8 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-rungs", type=nonneg_int, default=8, help="stop after this many primitives")
     p.add_argument("--timeout", type=seconds, default=900.0, help="seconds per bench / white-box run")
     p.add_argument("--keep-checkpoints", action="store_true",
-                   help="keep every rung's checkpoint (fp32 weights + AdamW moments, 12 B/param each); default: only the "
-                        "latest rung's, the one it resumed from is deleted once it has saved its own")
+                   help="keep every rung's checkpoint (fp32 weights + AdamW moments, 12 B/param each); "
+                        "default: only the latest rung's, the one it resumed from is deleted once it has saved its own")
     p.set_defaults(fn=_cmd_climb)
 
     p = sub.add_parser("install-skills", help="copy the skills into a Claude skills folder")

@@ -354,8 +354,8 @@ def bench(config: str, steps: int = 5, warmup: int = 1, overrides: dict[str, Any
     run_path = ledger.path.parent / rec.run_id
     t0 = time.perf_counter()
     say(f"launching {cfg.world_size} rank(s) for {warmup}+{steps} steps (run {rec.run_id})")
-    spec = {"kind": "bench", "job": BENCH_JOB, "config": cfg.to_dict(), "steps": steps, "warmup": warmup, "resume": resume,
-            "checkpoint_dir": str((run_path / "checkpoints").resolve()) if save_checkpoint else None}
+    spec = {"kind": "bench", "job": BENCH_JOB, "config": cfg.to_dict(), "steps": steps, "warmup": warmup,
+            "resume": resume, "checkpoint_dir": str((run_path / "checkpoints").resolve()) if save_checkpoint else None}
     job = start_torchrun(spec, cfg.world_size, run_path)
     try:
         values = _wait(job, timeout, cancel, say)

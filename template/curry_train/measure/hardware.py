@@ -64,7 +64,8 @@ class HardwareReport(BaseModel):
     gpu_count: int = Field(description="Accelerators visible to this process (0 on a CPU-only machine).")
     gpus: list[GPUInfo] = Field(default_factory=list)
     topology: list[list[str]] | None = Field(
-        None, description="GPU x GPU link matrix as `nvidia-smi topo -m` prints it: X, NV<n>, PIX, PXB, PHB, NODE, SYS.")
+        None,
+        description="GPU x GPU link matrix as `nvidia-smi topo -m` prints it: X, NV<n>, PIX, PXB, PHB, NODE, SYS.")
     cpu_count: int
     memory_bytes: int | None = Field(None, description="Host RAM.")
     torch_version: str | None = None

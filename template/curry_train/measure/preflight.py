@@ -70,7 +70,8 @@ def preflight(cfg: Config, name: str = "this config", hw: HardwareReport | None 
         if cfg.hardware.nodes > 1:
             multi = (f" It is a {cfg.hardware.nodes}-node layout: start it on each node with `torchrun "
                      f"--nnodes={cfg.hardware.nodes} --nproc-per-node={cfg.hardware.gpus_per_node} "
-                     "--rdzv-endpoint=<host:port> -m curry_train.train --config <file>` (curry_train/train/__main__.py).")
+                     "--rdzv-endpoint=<host:port> -m curry_train.train --config <file>` "
+                     "(curry_train/train/__main__.py).")
         raise PreflightError(f"{name} needs world_size = dp*tp*pp*cp = {world} local ranks, but {here}: at most "
                              f"{cap} {unit}.{multi} Without launching, estimate_memory / plan answer for this "
                              f"layout; to run here, lower parallel.dp / tp / pp / cp to at most {cap} ranks in all "

@@ -1,6 +1,7 @@
 """Training tokens, sliced identically for the reference and every parallel layout: a synthetic stream or a file.
 
-    python -c "from curry_train.model.data import global_batch; from curry_train.config import Config; print(global_batch(Config(), 0)[0][:2])"
+    python -c "from curry_train.model.data import global_batch; from curry_train.config import Config; \
+print(global_batch(Config(), 0)[0][:2])"
 
 The stream is a sparse Markov chain: each token has 4 successors drawn once from the seed, taken with
 probabilities 0.7/0.15/0.1/0.05. A model can learn it (entropy ~1.0 nat vs ln V at init), so the loss falls.
@@ -41,7 +42,8 @@ def global_batch(cfg: Config, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return batch_rows(cfg, step, range(cfg.train.global_batch))
 
 
-def batch_rows(cfg: Config, step: int, rows, positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def batch_rows(cfg: Config, step: int, rows,
+               positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(inputs, targets) [len(rows), T or len(positions)] int64: global rows `rows` of step `step`."""
     if cfg.data.path:
         return file_rows(cfg, step, rows, positions)

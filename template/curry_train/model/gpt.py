@@ -1,6 +1,7 @@
 """GPT decoder: token embedding, RoPE, RMSNorm, causal SDPA attention with GQA, SwiGLU MLP (or MoE FFN), untied head.
 
-    python -c "from curry_train.model.gpt import build_model; from curry_train.config import Config; print(build_model(Config()))"
+    python -c "from curry_train.model.gpt import build_model; from curry_train.config import Config; \
+print(build_model(Config()))"
 
 Shape legend: B batch (micro-batch), T sequence (local), D d_model, H query heads, G kv heads (H % G == 0),
 Dh head dim = D / H, F d_ff, V vocab. Under TP the local H, G, F and V are divided by tp; reshapes use -1 heads.

@@ -7,9 +7,9 @@ V vocab, p = pp ranks, v = pp_virtual chunks per rank, S = p * v stages, L layer
 
 Split: S stages of consecutive layers, at least one each (pipeline_split.py: boundaries balance the estimated
 cost, embedding on stage 0 and head + loss on stage S-1 included; `parallel.pp_layers` overrides them; the
-slowest stage sets the pace). Stage 0 also owns the embedding, stage S-1 the final norm and LM head. A stage is the full Transformer
-with the parts it does not own removed, so its parameter names are the full model's (`layers.<i>` keeps the
-global index) and the white-box check merges stages by name.
+slowest stage sets the pace). Stage 0 also owns the embedding, stage S-1 the final norm and LM head. A stage is the
+full Transformer with the parts it does not own removed, so its parameter names are the full model's (`layers.<i>` keeps
+the global index) and the white-box check merges stages by name.
 
 Placement of stages on ranks (schedules from torch.distributed.pipelining):
   gpipe    one stage per rank, all forwards then all backwards (Huang et al. 2019, "GPipe");

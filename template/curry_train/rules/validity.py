@@ -63,7 +63,8 @@ def check(cfg: Config) -> list[Problem]:
                            ("model.vocab_size", m.vocab_size)):
             if val % p.tp:
                 bad([field, "parallel.tp"], f"{field.split('.')[1]}={val} is not divisible by tp={p.tp}",
-                    f"use tp in {tp_choices(val, h.gpus_per_node)}" + (f" or {vocab_pad_hint(val, p.tp)}" if "vocab" in field else ""))
+                    f"use tp in {tp_choices(val, h.gpus_per_node)}"
+                    + (f" or {vocab_pad_hint(val, p.tp)}" if "vocab" in field else ""))
         if m.d_ff % p.tp:
             bad(["model.d_ff", "parallel.tp"], f"d_ff={m.d_ff} is not divisible by tp={p.tp}",
                 "use a tp that divides d_ff")
@@ -176,6 +177,7 @@ def vocab_pad_hint(vocab: int, tp: int) -> str:
     """Megatron pads the vocabulary to a multiple of 64 * tp (make-vocab-size-divisible-by 128 by default, times
     tp), so the embedding and the LM head split evenly over the TP group."""
     mult = 64 * tp
-    return f"pad model.vocab_size {vocab} to {-(-vocab // mult) * mult} (a multiple of 64*tp = {mult}, as Megatron does)"
+    return (f"pad model.vocab_size {vocab} to {-(-vocab // mult) * mult} "
+            f"(a multiple of 64*tp = {mult}, as Megatron does)")
 
 

@@ -242,8 +242,8 @@ def _spec(cfg: Config, steps: int, tag: str, inject: str | None, target: str | N
         from curry_train.validation.inject import check
 
         check(inject, cfg)  # unknown name or wrong layout: refused before anything starts
-    return {"kind": "whitebox", "job": WHITEBOX_JOB, "config": cfg.to_dict(), "steps": steps, "tag": tag, "inject": inject,
-            "inject_target": target}
+    return {"kind": "whitebox", "job": WHITEBOX_JOB, "config": cfg.to_dict(), "steps": steps, "tag": tag,
+            "inject": inject, "inject_target": target}
 
 
 def run_whitebox(cfg: Config, *, steps: int = 2, run_dir: Path, timeout: float = 600.0, cancel=None,
