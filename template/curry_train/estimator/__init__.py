@@ -68,7 +68,7 @@ from pydantic import BaseModel, Field
 
 from curry_train.breakdown import CATEGORIES, Breakdown
 from curry_train.config import Config, from_dict, load_yaml
-from curry_train.estimator.comm import CommItem, StepTime, _step_time
+from curry_train.estimator.comm import CP_RING_KERNEL, CommItem, StepTime, _step_time, ring_attention_dtype
 from curry_train.estimator.init import init_peak
 from curry_train.estimator.layout import (
     GiB,
@@ -274,8 +274,8 @@ def estimate(cfg: Config, *, hardware: str | HardwareProfile | None = None,
         if x.fsdp and x.pp > 1 else "",
         "pipeline step() keeps every micro-batch's logits on the last stage (return_outputs=True)"
         if x.pp > 1 and PP_KEEPS_OUTPUTS else "",
-        "CP ring attention on fused kernels with LSE (flash on CPU, memory-efficient on CUDA): O(T/cp) memory, "
-        "compute-dtype FLOPs" if x.cp > 1 else "",
+        f"CP ring attention: every block a {CP_RING_KERNEL} kernel with LSE (flash on CPU, memory-efficient on "
+        f"CUDA): O(T/cp) memory, its FLOPs at the {ring_attention_dtype(x)} peak" if x.cp > 1 else "",
         f"pipeline stages {list(stage_split(x))} layers (pipeline_split.py)" if x.pp > 1 else "",
     ]
     return Estimate(memory=worst, per_pp_rank=per, budget_bytes=budget, reserve_bytes=reserve, usable_bytes=usable,
