@@ -115,7 +115,13 @@ def pipe_states(x: _Layout, rank: int) -> list[_PipeState]:
     (last stage) the last one, when every micro-batch's logits are kept. Also the fullest forward ends while
     another chunk's units are kept (`fwd`), and zero 3's fullest zero-bubble W starts that gather again (`weight`).
     A zero-bubble input-backward (I) keeps the graph, and so the activations, until its weight-backward (W)."""
-    return _pipe_states(x.schedule, x.pp, x.v, x.m, rank, x.fsdp and x.zero == 3)
+    key = schedule_key(x)
+    return _pipe_states(*key[:4], rank, *key[4:])
+
+
+def schedule_key(x: _Layout) -> tuple[str, int, int, int, bool]:
+    """What a rank's schedule states depend on besides the rank: (schedule, pp, v, m, units tracked: zero 3)."""
+    return x.schedule, x.pp, x.v, x.m, x.fsdp and x.zero == 3
 
 
 @lru_cache(maxsize=8192)
@@ -153,22 +159,26 @@ def _simulate_pipe(schedule: str, pp: int, v: int, m: int, rank: int, units: boo
         if slot not in best or key > best[slot][0]:
             best[slot] = (key, fields(**kind_))
 
+    total = 0  # sum(held)
     for kind, c, kept in acts:
         if kind == "F":
             held[c] += 1
+            total += 1
             fwd_head += c == head
             if kept & ~(1 << c):  # (interleaved: the measured peak)
-                offer(2 * top + kept, (sum(held), n_grads / n_chunks), fwd=True)
+                offer(2 * top + kept, (total, n_grads / n_chunks), fwd=True)
             continue
         if kind in ("B", "I"):
-            offer(kept, (sum(held), n_grads / n_chunks))
-            offer(top + kept, (n_grads / n_chunks, sum(held)))
-            last = fields()
+            offer(kept, (total, n_grads / n_chunks))
+            offer(top + kept, (n_grads / n_chunks, total))
+            if head >= 0:  # (only the head's rank reports its last backward start)
+                last = fields()
             pending[c] += kind == "I"
         if kind == "W" and units and schedule == "zero_bubble" and not kept >> c & 1:  # _split_backward_stage
-            offer(3 * top + kept, (sum(held), n_grads / n_chunks), weight=True)  # gathers the chunk again
+            offer(3 * top + kept, (total, n_grads / n_chunks), weight=True)  # gathers the chunk again
         if kind in ("B", "W"):
             held[c] -= 1
+            total -= 1
             pending[c] -= kind == "W" and pending[c] > 0
             if not has_grads[c]:
                 has_grads[c] = True
