@@ -7,6 +7,7 @@ quick_layout and the planner's rows all read; its fast path (rank classes) equal
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -23,7 +24,7 @@ from curry_train.estimator import (
     rank_need,
 )
 from curry_train.estimator.need import _dominates, rank_ordered
-from curry_train.estimator.pipeline import _pipe_states
+from curry_train.estimator.pipeline import _pipe_states, _simulate_pipe, periodic_rounds
 from curry_train.estimator.profiles import get_profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -56,6 +57,26 @@ def test_rank_ordered_schedules_have_each_rank_dominate_the_next():
                             assert _dominates(st[r - 1], st[r]), (schedule, v, units, pp, m, r)
                         checked += 1
     assert checked > 150
+
+
+def test_schedule_states_repeat_after_periodic_rounds():
+    # _pipe_states simulates periodic_rounds rounds of pp x v micro-batches for a longer step: the states found
+    # there are those of the whole step, but for the head's count of forwards (the head rank's kept logits)
+    checked = 0
+    for schedule, v in (("1f1b", 1), ("interleaved_1f1b", 2), ("interleaved_1f1b", 4), ("zero_bubble", 2)):
+        for units in (False, True):
+            for pp in (2, 3, 4, 8):
+                for m in range(3 * pp * v + 1, 6 * pp * v + 1, max(1, pp // 2)):
+                    rounds = periodic_rounds(schedule, pp, v, m)
+                    if rounds * pp * v >= m:
+                        continue
+                    short = rounds * pp * v + m % pp
+                    for r in range(pp):
+                        full = [replace(q, head_fwds=0) for q in _simulate_pipe(schedule, pp, v, m, r, units)]
+                        cut = [replace(q, head_fwds=0) for q in _simulate_pipe(schedule, pp, v, short, r, units)]
+                        assert full == cut, (schedule, v, units, pp, m, r)
+                    checked += 1
+    assert checked > 100
 
 
 def test_the_fast_path_equals_every_rank_on_every_layout_the_planner_evaluates(monkeypatch):
