@@ -126,9 +126,10 @@ def schedule_key(x: _Layout) -> tuple[str, int, int, int, bool]:
 
 def periodic_rounds(schedule: str, pp: int, v: int, m: int) -> int:
     """Rounds of pp x v micro-batches after which a rank's schedule states repeat (but for the head's count of
-    forwards): 3 for GPipe, 1F1B, ZBV and interleaved 1F1B at m a multiple of pp (tests/test_every_rank.py
-    compares them with longer simulations over a grid); 8 otherwise (interleaved rounds of uneven size)."""
-    if schedule in ("gpipe", "1f1b") or (schedule == "zero_bubble" and v == 2) or \
+    forwards): 3 for 1F1B, ZBV and interleaved 1F1B at m a multiple of pp (tests/test_every_rank.py compares
+    them with longer simulations over a grid); 8 otherwise (GPipe holds every micro-batch, so it does not repeat;
+    interleaved rounds of uneven size)."""
+    if schedule == "1f1b" or (schedule == "zero_bubble" and v == 2) or \
             (schedule == "interleaved_1f1b" and m % pp == 0):
         return 3
     return 8
