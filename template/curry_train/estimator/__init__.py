@@ -55,6 +55,8 @@ Files (this one holds the public API and the result models; the others are re-ex
   estimate_peak.py      the moments of the step and the per-rank peak
   estimate_comm.py      collectives per step and the step time (CommItem, StepTime)
   init.py               the init peak (meta-device build, then local shards one parameter at a time)
+  makespan.py           the step's makespan: each rank's schedule order run with per-stage costs, the bubble
+  need.py               what a layout needs per rank (step and init peak), every pipeline rank: what `fits` reads
 `fits` needs both the step peak and the init peak under the usable budget.
 """
 

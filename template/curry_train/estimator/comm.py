@@ -3,7 +3,7 @@ alpha-beta times per link (intra vs inter node), then the step:
 
   pipeline  each stage's compute per step (its layers; the first stage also the embedding's dense
             gradient, the last the LM head GEMMs and the loss): the step follows the slowest rank, plus the
-            bubble of the schedule's real action order (estimator/pipeline.py: bubble_ratio, simulated or its
+            bubble of the schedule's real action order (estimator/makespan.py: bubble_ratio, simulated or its
             verified closed form) times the mean rank's compute.
   exposed   collectives on one link share it: their times add. Each hides only behind the compute it can
             overlap (FSDP's prefetched all-gathers: forward + backward; reduce-scatters: backward; DDP's buckets:
@@ -28,7 +28,8 @@ from curry_train.estimator.layout import (
     hardware_flops_per_token,
     rank_layers,
 )
-from curry_train.estimator.pipeline import bubble_ratio, stage_ids
+from curry_train.estimator.makespan import bubble_ratio
+from curry_train.estimator.pipeline import stage_ids
 from curry_train.estimator.profiles import HardwareProfile
 from curry_train.estimator.states import _states
 
