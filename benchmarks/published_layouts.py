@@ -19,6 +19,8 @@ For each: `plan` on the setup's cluster, sequence, batch and micro-batch, and
                 its tp x pp x dp) and its step time over #1 (target <= 1.15), where the template can express it
   memory        the estimate of the published layout against the published measurement (target within 15%)
   anti          the anti-patterns of `final` (curry_train.rules.anti_patterns; target none)
+  over          ranked rows `plan` lists as fitting that the full estimate of the same layout (`estimate`: every
+                pipeline rank, step and init peak) says do not fit (target 0)
 """
 
 from __future__ import annotations
@@ -99,6 +101,8 @@ def run_one(name: str, preset: str, gpu: str, mem: float, published: tuple[int, 
     f_step = f_row.step_time_s if f_row is not None else p.rungs[-1].step_time_s
     clean = [r for r in rows if not _anti(base, r.parallel, r)]
     best_clean = min((r.step_time_s for r in clean), default=None)
+    planned = {**base, "hardware": {**base["hardware"], "gpu_memory_gib": p.gpu_memory_gib}}  # plan's budget
+    over = sum(not estimate(load_any(_row_config(planned, r))).fits for r in rows)
     out: dict[str, Any] = {
         "setup": name, "gpus": world, "gpus_used": used, "idle_reason": getattr(p, "idle_reason", None),
         "fits": p.fits, "final": {k: final.get(k) for k in ("dp", "zero", "tp", "pp", "cp", "pp_schedule",
@@ -106,7 +110,7 @@ def run_one(name: str, preset: str, gpu: str, mem: float, published: tuple[int, 
         "final_step_s": f_step, "best_clean_step_s": best_clean,
         "final_over_clean": f_step / best_clean if best_clean else None,
         "final_anti_patterns": _anti(base, final, f_row), "layouts_fitting": p.layouts_fitting,
-        "plan_seconds": seconds}
+        "plan_seconds": seconds, "rows_over": over, "rows": len(rows)}
     if published is None:
         out["published"] = "not expressible"
     else:
@@ -123,6 +127,11 @@ def run_one(name: str, preset: str, gpu: str, mem: float, published: tuple[int, 
     return out
 
 
+def _row_config(base: dict[str, Any], row: Any) -> dict[str, Any]:
+    """The config of one ranked row: the setup's, with the row's parallel section and micro-batch."""
+    return {**base, "parallel": dict(row.parallel), "train": {**base["train"], "micro_batch": row.micro_batch}}
+
+
 def _fmt(x: Any, spec: str = ".2f") -> str:
     return "-" if x is None else format(x, spec)
 
@@ -134,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = [run_one(*s) for s in SETUPS]
     if not a.json:
         print(f"{'setup':22s}{'gpus used':>12s}  {'final':34s}{'step s':>9s}{'/clean':>8s}{'pub rank':>9s}"
-              f"{'pub/#1':>8s}{'mem est/meas GiB':>18s}{'plan s':>8s}  anti-patterns")
+              f"{'pub/#1':>8s}{'mem est/meas GiB':>18s}{'plan s':>8s}{'over':>10s}  anti-patterns")
         for r in rows:
             f = r["final"]
             hsdp = f"(r{f['dp_replicate']})" if (f.get("dp_replicate") or 1) > 1 else ""
@@ -144,7 +153,8 @@ def main(argv: list[str] | None = None) -> int:
             rank = r.get("published_rank", "n/e" if "published" in r else None)
             print(f"{r['setup']:22s}{r['gpus_used']:>6d}/{r['gpus']:<5d}  {lay:34s}{_fmt(r['final_step_s'], '.3g'):>9s}"
                   f"{_fmt(r['final_over_clean']):>8s}{str(rank if rank is not None else 'absent'):>9s}"
-                  f"{_fmt(r.get('published_over_best')):>8s}{mem:>18s}{r['plan_seconds']:>8.2f}  "
+                  f"{_fmt(r.get('published_over_best')):>8s}{mem:>18s}{r['plan_seconds']:>8.2f}"
+                  f"{str(r['rows_over']) + '/' + str(r['rows']):>10s}  "
                   f"{', '.join(r['final_anti_patterns']) or '-'}"
                   + (f"  idle: {r['idle_reason']}" if r.get("idle_reason") else ""))
     ratios = [r["final_over_clean"] for r in rows if r["final_over_clean"] is not None]
@@ -161,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
         "max_memory_error": round(max(mems), 4) if mems else None,
         "final_anti_patterns": sum(len(r["final_anti_patterns"]) for r in rows),
         "max_plan_seconds": round(max(r["plan_seconds"] for r in rows), 3),
+        "rows_fitting_but_over": sum(r["rows_over"] for r in rows),
         "setups": len(rows),
     }
     print(json.dumps(worst))

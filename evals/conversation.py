@@ -65,7 +65,7 @@ COVERAGE = {
     "idle-gpus": "GPUs left idle: use them, or say why they must idle",
     "pp-bubble": "a bubble-bound pipeline: schedule, virtual stages, more micro-batches",
     "hsdp": "FSDP across nodes: HSDP (parallel.dp_replicate) proposed with its patch and estimate",
-    "long-context-tp": "long context where TP+SP beats CP by step time",
+    "long-context-cp": "long context where CP beats TP+SP by step time",
     "oom-micro-batch": "an OOM where halving the micro-batch is the alternative",
     "more-gpus-how-many": "more GPUs, with how many",
 }

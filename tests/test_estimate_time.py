@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 from curry_train.estimator import _layout, _replace, estimate, estimate_memory, load_any
 from curry_train.estimator.comm import _comm, _step_time
-from curry_train.estimator.pipeline import bubble_fraction, bubble_ratio, simulate_makespan, simulated_bubble
+from curry_train.estimator.makespan import bubble_ratio, simulate_makespan, simulated_bubble
+from curry_train.estimator.pipeline import bubble_fraction
 from curry_train.estimator.profiles import (
     GPU_NAMES,
     PROFILES,

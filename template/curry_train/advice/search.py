@@ -34,9 +34,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from curry_train.config import Config, ParallelConfig
-from curry_train.estimator import GiB, _layout, _replace, _states, reserve_bytes, stage_ids
+from curry_train.estimator import GiB, _layout, _replace, _states, layout_need, reserve_bytes, stage_ids
 from curry_train.estimator.comm import _step_time
-from curry_train.estimator.peak import _peak
 from curry_train.estimator.profiles import HardwareProfile
 from curry_train.rules import (
     LONG_CONTEXT,
@@ -124,14 +123,6 @@ def _schedules(n_layers: int, pp: int) -> list[tuple[str, int]]:
     return out
 
 
-def _peak_total(x: Any) -> int:
-    """The worst rank's peak, as estimator.quick_layout takes it (first, last and, for the V, middle rank)."""
-    ranks = [0, x.pp - 1] if x.pp > 1 else [0]
-    if x.pp > 1 and x.schedule == "zero_bubble" and x.v == 2:
-        ranks.append(x.pp // 2)
-    return max(_peak(x, r).total for r in ranks)
-
-
 def search(cfg: Config, hw: HardwareProfile, *, margin: float = 0.0, first_fit: bool = False,
            search_micro_batch: bool = True) -> Search:
     """Every valid layout of cfg's cluster that fits (the lightest recompute per micro-batch); `first_fit` stops at
@@ -152,6 +143,7 @@ def _search(cfg: Config, hw: HardwareProfile, margin: float, *, with_cp: bool,
     x0 = _layout(cfg)
     m, t = cfg.model, cfg.train
     usable = int(cfg.hardware.gpu_memory_gib * GiB) - reserve_bytes(cfg)
+    limit = int(usable * (1 - margin))
     probe_cfg = cfg.model_copy()  # its parallel and train sections are swapped per candidate, unvalidated
     rows: list[Row] = []
     valid = 0
@@ -180,7 +172,7 @@ def _search(cfg: Config, hw: HardwareProfile, margin: float, *, with_cp: bool,
                     x = _replace(x0, dp=dp, zero=zero, recompute="none", tp=tp, sp=sp, pp=pp, schedule=sched, v=v,
                                  ep=ep, cp=cp, b=mbs[0], dp_replicate=dpr, pp_layers=None)
                     st = _states(x, stage_ids(x, 0))
-                    if st.params + st.opt > usable or _peak_total(_replace(x, recompute="full")) > usable * (1 - margin):
+                    if st.params + st.opt > usable or layout_need(_replace(x, recompute="full"), limit) > limit:
                         over.add(zero)  # model states alone, or the lightest mode at the smallest micro-batch,
                         continue  # overflow: no recompute and no larger micro-batch fits
                     start, prev = 0, float("inf")
@@ -192,8 +184,8 @@ def _search(cfg: Config, hw: HardwareProfile, margin: float, *, with_cp: bool,
                         # that fits never gets lighter as the micro-batch grows, so the search starts at the last
                         for rc in RC[start:]:
                             xr = _replace(x, recompute=rc, b=b)
-                            total = _peak_total(xr)
-                            if total <= usable * (1 - margin):
+                            total = layout_need(xr, limit)
+                            if total <= limit:
                                 fit = (rc, xr, total)
                                 break
                         if fit is None:

@@ -55,6 +55,8 @@ Files (this one holds the public API and the result models; the others are re-ex
   estimate_peak.py      the moments of the step and the per-rank peak
   estimate_comm.py      collectives per step and the step time (CommItem, StepTime)
   init.py               the init peak (meta-device build, then local shards one parameter at a time)
+  makespan.py           the step's makespan: each rank's schedule order run with per-stage costs, the bubble
+  need.py               what a layout needs per rank (step and init peak), every pipeline rank: what `fits` reads
 `fits` needs both the step peak and the init peak under the usable budget.
 """
 
@@ -68,7 +70,7 @@ from pydantic import BaseModel, Field
 
 from curry_train.breakdown import CATEGORIES, Breakdown
 from curry_train.config import Config, from_dict, load_yaml
-from curry_train.estimator.comm import CommItem, StepTime, _step_time
+from curry_train.estimator.comm import CP_RING_KERNEL, CommItem, StepTime, _step_time, ring_attention_dtype
 from curry_train.estimator.init import init_peak
 from curry_train.estimator.layout import (
     GiB,
@@ -81,6 +83,7 @@ from curry_train.estimator.layout import (
     param_count,
     stage_split,
 )
+from curry_train.estimator.need import layout_need, layout_need_every_rank, rank_classes, rank_need
 from curry_train.estimator.peak import DDP_GRADS_ARE_BUCKET_VIEWS, PP_KEEPS_OUTPUTS, _peak
 from curry_train.estimator.pipeline import bubble_fraction, in_flight, pipe_states, stage_ids
 from curry_train.estimator.profiles import (
@@ -100,7 +103,8 @@ from curry_train.layout_warnings import layout_warnings
 __all__ = [  # the public API; planner.py and the tests also reach into _layout, _replace and _states
     "GPU_NAMES", "CommItem", "Estimate", "GiB", "UnknownGpu", "check_cluster", "resolve_gpu", "with_gpu", "MemoryBreakdown", "Quick", "StepTime", "_layout", "_replace", "_states",
     "active_params", "bubble_fraction", "dtype_policy", "estimate", "estimate_memory", "flops_per_token",
-    "hardware_flops_per_token", "in_flight", "load_any", "memory_per_pp_rank", "model_states", "param_count",
+    "hardware_flops_per_token", "in_flight", "layout_need", "layout_need_every_rank", "load_any",
+    "memory_per_pp_rank", "rank_classes", "rank_need", "model_states", "param_count",
     "peak_flops", "pipe_states", "quick", "quick_layout", "reserve_bytes", "resolve_hardware", "stage_ids",
 ]
 
@@ -261,7 +265,7 @@ def estimate(cfg: Config, *, hardware: str | HardwareProfile | None = None,
     budget = int(x.budget_gib * GiB)
     reserve = reserve_bytes(cfg)
     usable = budget - reserve
-    need = max(worst.total, init)
+    need = layout_need_every_rank(x)  # = max(worst.total, init): what quick_layout and the planner's rows read
     step, items = _step_time(x, hw)
     st = _states(x, stage_ids(x, worst.pp_rank))
     states = st.params + st.grads_full + st.opt
@@ -274,8 +278,8 @@ def estimate(cfg: Config, *, hardware: str | HardwareProfile | None = None,
         if x.fsdp and x.pp > 1 else "",
         "pipeline step() keeps every micro-batch's logits on the last stage (return_outputs=True)"
         if x.pp > 1 and PP_KEEPS_OUTPUTS else "",
-        "CP ring attention on fused kernels with LSE (flash on CPU, memory-efficient on CUDA): O(T/cp) memory, "
-        "compute-dtype FLOPs" if x.cp > 1 else "",
+        f"CP ring attention: every block a {CP_RING_KERNEL} kernel with LSE (flash on CPU, memory-efficient on "
+        f"CUDA): O(T/cp) memory, its FLOPs at the {ring_attention_dtype(x)} peak" if x.cp > 1 else "",
         f"pipeline stages {list(stage_split(x))} layers (pipeline_split.py)" if x.pp > 1 else "",
     ]
     return Estimate(memory=worst, per_pp_rank=per, budget_bytes=budget, reserve_bytes=reserve, usable_bytes=usable,
@@ -333,10 +337,8 @@ class Quick:
 
 
 def quick_layout(x: _Layout, hw: HardwareProfile) -> Quick:
-    ranks = [0, x.pp - 1] if x.pp > 1 else [0]
-    if x.pp > 1 and x.schedule == "zero_bubble" and x.v == 2:
-        ranks.append(x.pp // 2)
-    total = max(max(_peak(x, r).total, init_peak(x, r)) for r in ranks)  # the init peak must fit too
+    """The worst pipeline rank's need (need.layout_need: step and init peak, every rank) and the step time."""
+    total = layout_need(x)
     step, _ = _step_time(x, hw)
     usable = int(x.budget_gib * GiB) - _reserve(x)
     return Quick(total=total, usable=usable, step_s=step.total_s, comm_fraction=step.comm_fraction, mfu=step.mfu)

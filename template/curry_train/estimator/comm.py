@@ -3,7 +3,7 @@ alpha-beta times per link (intra vs inter node), then the step:
 
   pipeline  each stage's compute per step (its layers; the first stage also the embedding's dense
             gradient, the last the LM head GEMMs and the loss): the step follows the slowest rank, plus the
-            bubble of the schedule's real action order (estimator/pipeline.py: bubble_ratio, simulated or its
+            bubble of the schedule's real action order (estimator/makespan.py: bubble_ratio, simulated or its
             verified closed form) times the mean rank's compute.
   exposed   collectives on one link share it: their times add. Each hides only behind the compute it can
             overlap (FSDP's prefetched all-gathers: forward + backward; reduce-scatters: backward; DDP's buckets:
@@ -23,11 +23,13 @@ from curry_train.estimator.acts import _acts, _moe_slots
 from curry_train.estimator.layout import (
     _block_tensors,
     _Layout,
+    attention_flops_per_token,
     flops_per_token,
     hardware_flops_per_token,
     rank_layers,
 )
-from curry_train.estimator.pipeline import bubble_ratio, stage_ids
+from curry_train.estimator.makespan import bubble_ratio
+from curry_train.estimator.pipeline import stage_ids
 from curry_train.estimator.profiles import HardwareProfile
 from curry_train.estimator.states import _states
 
@@ -213,23 +215,32 @@ def _expose(entries: list[tuple[dict, str | None, float]], t_compute: float, m: 
     return [CommItem(**e[0], exposed_s=exp, overlaps=_WINDOW_WORDS[e[1]]) for e, exp in zip(entries, exposed)]
 
 
+# parallel/context_parallel.py RING_KERNEL and RING_KERNEL_DTYPE, quoted rather than imported (the estimator
+# stays free of torch); tests/test_cost_terms.py fails when these and the ring's own differ. Every ring block
+# runs torch's fused attention (LSE out, no score tile) in the compute dtype, the diagonal blocks with its causal
+# flag: the ring's attention FLOPs are hardware_flops_per_token's causal half at the compute dtype's peak.
+CP_RING_KERNEL = "fused_sdpa"
+CP_RING_KERNEL_DTYPE = "compute"
+
+
+def ring_attention_dtype(x: _Layout) -> str:
+    """The dtype whose peak prices CP's ring attention (CP_RING_KERNEL_DTYPE: the compute dtype, or fp32)."""
+    return x.dtype if CP_RING_KERNEL_DTYPE == "compute" else "float32"
+
+
 def _stage_costs(x: _Layout, hw: HardwareProfile) -> tuple[float, float, float]:
     """Busy seconds per step of this rank's dp x cp x tp share of (all blocks, LM head + loss, embedding).
-    Blocks: executed FLOPs at the profile's efficiency (CP's ring attention at the fp32 peak). The last stage's
-    head: its GEMMs plus the loss (log_softmax forward + backward: ~4 fp32 passes over [tokens, V/tp],
-    memory-bound). The first stage's embedding: its dense [V/tp, D] fp32 gradient (zero-fill + index-add per
-    micro-batch, memory-bound)."""
+    Blocks: executed FLOPs at the profile's efficiency, CP's ring attention at the peak of the dtype its kernel
+    runs in (ring_attention_dtype). The last stage's head: its GEMMs plus the loss (log_softmax forward +
+    backward: ~4 fp32 passes over [tokens, V/tp], memory-bound). The first stage's embedding: its dense
+    [V/tp, D] fp32 gradient (zero-fill + index-add per micro-batch, memory-bound)."""
     tokens = x.gb * x.s / (x.dp * x.cp)  # this rank's tokens per step
     peak = hw.peak_flops(x.dtype)
     head_tok = 6.0 * x.V * x.D
-    blocks = tokens * (hardware_flops_per_token(x) - head_tok) / x.tp / (peak * hw.efficiency)
-    if x.cp > 1:
-        # context_parallel.py's ring attention multiplies unfused fp32 score tiles (no flash kernel): its
-        # attention FLOPs (causal half, plus the masked diagonal tiles) run at the fp32 peak, not the bf16 one
-        attn = tokens * 6.0 * x.L * x.H * x.Dh * x.s * (1 + 1 / (2 * x.cp)) / x.tp
-        if x.recompute == "full":
-            attn *= 4.0 / 3.0
-        blocks += attn / (hw.peak_flops("float32") * hw.efficiency) - attn / (peak * hw.efficiency)
+    block_flops = tokens * (hardware_flops_per_token(x) - head_tok) / x.tp
+    attn = tokens * attention_flops_per_token(x) / x.tp if x.cp > 1 else 0.0
+    blocks = (block_flops - attn) / (peak * hw.efficiency) + \
+        attn / (hw.peak_flops(ring_attention_dtype(x)) * hw.efficiency)
     bw = hw.mem_bw_gbps * 1e9
     head = tokens * head_tok / x.tp / (peak * hw.efficiency) + tokens * 16.0 * x.V / x.tp / bw
     embed = x.m * 8.0 * x.V * x.D / x.tp / bw

@@ -195,10 +195,17 @@ def hardware_flops_per_token(cfg: Config | _Layout) -> float:
     block's forward (+1/3 of the block FLOPs), selective reruns only the cheap element-wise ops; a chunked loss
     reruns the LM head's forward in backward (model/gpt.py chunked_lm_loss: +2VD, +1/3 of the head FLOPs)."""
     x = cfg if isinstance(cfg, _Layout) else _layout(cfg)
-    blocks = 6.0 * (active_params(x) - x.V * x.D) + 6.0 * x.L * x.H * x.Dh * x.s
+    linears = 6.0 * (active_params(x) - x.V * x.D)
     head = 6.0 * x.V * x.D
     if loss_chunk_count(x.lc, x.b * (x.s // x.cp), x.V, x.D) > 1:
         head += 2.0 * x.V * x.D
     if x.recompute == "full":
-        blocks *= 4.0 / 3.0
-    return blocks + head
+        linears *= 4.0 / 3.0
+    return linears + attention_flops_per_token(x) + head
+
+
+def attention_flops_per_token(x: _Layout) -> float:
+    """The core attention's share of hardware_flops_per_token: QK^T and PV forward + backward at the causal half
+    (6 L H Dh s), a full recompute rerunning their forward (x 4/3). Under CP this is what the ring's kernel runs."""
+    attn = 6.0 * x.L * x.H * x.Dh * x.s
+    return attn * 4.0 / 3.0 if x.recompute == "full" else attn

@@ -36,6 +36,17 @@ from curry_train.model.gpt import Attention
 from curry_train.model.moe import TopKRouter
 from curry_train.parallel.comms import RingExchange
 
+# What the ring's blocks run on, as facts the step-time model prices (estimator/comm.py quotes them as
+# CP_RING_KERNEL / CP_RING_KERNEL_DTYPE; tests/test_cost_terms.py fails when the two disagree, and checks that the
+# blocks really call a fused SDPA op in this dtype):
+RING_KERNEL = "fused_sdpa"  # torch's fused attention with its LSE per block (_attn_fwd / _attn_bwd), no score tile
+RING_KERNEL_DTYPE = "compute"  # the blocks take q, k, v in the compute dtype (autocast off): "compute" | "float32"
+
+
+def kernel_dtype(q: torch.Tensor) -> torch.dtype:
+    """The dtype the ring's blocks run in (RING_KERNEL_DTYPE): q's own, the compute dtype, or fp32."""
+    return q.dtype if RING_KERNEL_DTYPE == "compute" else torch.float32
+
 
 def _runs(pos: torch.Tensor, chunk: int) -> list[tuple[int, int]]:
     """Runs of consecutive positions, cut into pieces of at most `chunk`, as (start, end) local indices."""
@@ -123,14 +134,16 @@ class RingAttention(torch.autograd.Function):
         ring = RingExchange(group)
         out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)  # [B, H, Tl, Dh] running merge
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)  # [B, H, Tl]
-        kv = torch.stack([k, v])  # [2, B, G, Tl, Dh], travels in the input dtype
+        kd = kernel_dtype(q)
+        qk = q.to(kd)
+        kv = torch.stack([k, v]).to(kd)  # [2, B, G, Tl, Dh], travels in the kernel's dtype
         with torch.autocast(q.device.type, enabled=False):
             for step in range(cp):
                 if step < cp - 1:
                     ring.start(kv)  # next block's transfer overlaps this block's compute
                 kr, vr = _rep(kv[0], rep), _rep(kv[1], rep)  # [B, H, Tl, Dh]
                 for qs, ks, causal in plans[(rank - step) % cp]:
-                    o_b, lse_b = _attn_fwd(q[:, :, qs], kr[:, :, ks], vr[:, :, ks], causal)
+                    o_b, lse_b = _attn_fwd(qk[:, :, qs], kr[:, :, ks], vr[:, :, ks], causal)
                     new = torch.logaddexp(lse[..., qs], lse_b)  # [B, H, Tq]
                     out[:, :, qs] = (out[:, :, qs] * torch.exp(lse[..., qs] - new).unsqueeze(-1)
                                      + o_b.float() * torch.exp(lse_b - new).unsqueeze(-1))
@@ -148,9 +161,10 @@ class RingAttention(torch.autograd.Function):
         plans, rank = ctx.plans, ctx.rank
         cp, rep = len(plans), q.shape[1] // k.shape[1]
         ring = RingExchange(ctx.group)
-        dout = dout.to(q.dtype).contiguous()
+        kd = kernel_dtype(q)
+        dout, qk, ok = dout.to(kd).contiguous(), q.to(kd), out.to(kd)
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        kv = torch.stack([k, v])
+        kv = torch.stack([k, v]).to(kd)
         dkv = torch.zeros(kv.shape, dtype=torch.float32, device=k.device)  # grads of the K/V block held now
         with torch.autocast(q.device.type, enabled=False):
             for step in range(cp):
@@ -158,8 +172,8 @@ class RingAttention(torch.autograd.Function):
                     ring.start(kv)
                 kr, vr = _rep(kv[0], rep), _rep(kv[1], rep)
                 for qs, ks, causal in plans[(rank - step) % cp]:
-                    dq_b, dk_b, dv_b = _attn_bwd(dout[:, :, qs], q[:, :, qs], kr[:, :, ks], vr[:, :, ks],
-                                                 out[:, :, qs], lse[..., qs], causal)
+                    dq_b, dk_b, dv_b = _attn_bwd(dout[:, :, qs], qk[:, :, qs], kr[:, :, ks], vr[:, :, ks],
+                                                 ok[:, :, qs], lse[..., qs], causal)
                     dq[:, :, qs] += dq_b
                     dkv[0, :, :, ks] += _unrep(dk_b.float(), rep)
                     dkv[1, :, :, ks] += _unrep(dv_b.float(), rep)

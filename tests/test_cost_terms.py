@@ -1,0 +1,132 @@
+"""The step-time model's cost terms against the template code they model (docs/ESTIMATION.md, "Cost terms tied to
+the code").
+
+CP's ring attention: parallel/context_parallel.py states what its blocks run on (RING_KERNEL, RING_KERNEL_DTYPE)
+and the estimator quotes it (estimator/comm.py CP_RING_KERNEL, CP_RING_KERNEL_DTYPE; it cannot import torch).
+These tests fail when the two disagree, when the ring's blocks stop calling a fused SDPA op in the dtype the
+estimator prices, and when the ring's attention is priced above the rest of the block (the fp32-tile surcharge an
+old merge brought back).
+
+    .venv/bin/python -m pytest tests/test_cost_terms.py -q
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from curry_train.estimator import _layout, _replace, comm, estimate, load_any
+from curry_train.estimator.profiles import get_profile
+from curry_train.model.data import cp_positions
+from curry_train.parallel import context_parallel as cpm
+from torch.utils._python_dispatch import TorchDispatchMode
+
+pytestmark = pytest.mark.timeout(300)
+
+# the fused attention ops the ring may call (CPU: flash; CUDA: memory-efficient), forward and backward
+FUSED_SDPA = ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_efficient_attention",
+              "_scaled_dot_product_flash_attention_for_cpu_backward", "_scaled_dot_product_efficient_attention_backward")
+TORCH_DTYPE = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+class _Ops(TorchDispatchMode):
+    """Every attention or matmul op dispatched, with the dtypes of its first three tensor arguments."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[str, tuple[torch.dtype, ...]]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.__name__.split(".")[0]
+        if "attention" in name or name in ("mm", "bmm", "baddbmm", "matmul", "addmm"):
+            self.calls.append((name, tuple(a.dtype for a in args[:3] if isinstance(a, torch.Tensor))))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.fixture
+def fake_cp2():
+    """A 2-rank cp group on torch's fake backend (collectives are no-ops), in this process."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    dist.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
+    yield dist.new_group([0, 1])
+    dist.destroy_process_group()
+
+
+def _ring_ops(group, dtype: torch.dtype) -> list[tuple[str, tuple[torch.dtype, ...]]]:
+    """The ops one ring-attention forward + backward of rank 0 runs (GQA: 4 query heads over 2 kv heads)."""
+    T, cp = 16, 2
+    pos = [cp_positions(T, cp, j) for j in range(cp)]
+    plans = [cpm._fused_plan(cpm.plan_blocks(pos[0], pos[s], T // (2 * cp))) for s in range(cp)]
+    q = torch.randn(1, 4, T // cp, 8, dtype=dtype, requires_grad=True)
+    k = torch.randn(1, 2, T // cp, 8, dtype=dtype, requires_grad=True)
+    v = torch.randn(1, 2, T // cp, 8, dtype=dtype, requires_grad=True)
+    with _Ops() as rec:
+        out = cpm.RingAttention.apply(q, k, v, group, plans, 0)
+        out.float().sum().backward()
+    return rec.calls
+
+
+def _cp_layout(dtype: str = "bfloat16"):
+    return _layout(load_any("llama3-8b", {"train.seq_len": 32768, "train.global_batch": 8, "train.dtype": dtype,
+                                          "train.loss_chunks": 1, "parallel.dp": 1, "parallel.cp": 8,
+                                          "parallel.zero": 3, "parallel.recompute": "full"}))
+
+
+def test_the_estimator_quotes_the_rings_kernel_and_dtype():
+    assert comm.CP_RING_KERNEL == cpm.RING_KERNEL
+    assert comm.CP_RING_KERNEL_DTYPE == cpm.RING_KERNEL_DTYPE
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_the_ring_runs_a_fused_sdpa_op_in_the_dtype_the_estimator_prices(fake_cp2, dtype):
+    calls = _ring_ops(fake_cp2, TORCH_DTYPE[dtype])
+    priced = TORCH_DTYPE[comm.ring_attention_dtype(_cp_layout(dtype))]
+    assert calls and all(name in FUSED_SDPA for name, _ in calls), calls  # no unfused score matmul
+    assert {d for _, dts in calls for d in dts} == {priced}, (calls, priced)
+
+
+def test_flipping_the_rings_dtype_is_seen(fake_cp2, monkeypatch):
+    # the check above is live: a ring that ran its blocks in fp32 under bf16 compute would differ from the price
+    monkeypatch.setattr(cpm, "RING_KERNEL_DTYPE", "float32")
+    calls = _ring_ops(fake_cp2, torch.bfloat16)
+    assert {d for _, dts in calls for d in dts} == {torch.float32}
+    assert TORCH_DTYPE[comm.ring_attention_dtype(_cp_layout())] != torch.float32
+    assert comm.CP_RING_KERNEL_DTYPE != cpm.RING_KERNEL_DTYPE
+
+
+def test_ring_attention_costs_what_the_rest_of_the_block_costs():
+    # CP and DP over the same ranks give each rank the same tokens and the same executed FLOPs: at the same peak
+    # their block compute is equal. An fp32 price for the ring (67 instead of 989 TFLOP/s on H100) breaks it.
+    hw = get_profile("H100")
+    x_cp = _cp_layout()
+    x_dp = _replace(x_cp, dp=8, cp=1)
+    blocks_cp, _, _ = comm._stage_costs(x_cp, hw)
+    blocks_dp, _, _ = comm._stage_costs(x_dp, hw)
+    assert blocks_cp == pytest.approx(blocks_dp, rel=1e-9)
+
+
+def test_an_fp32_priced_ring_would_be_seen(monkeypatch):
+    hw = get_profile("H100")
+    x = _cp_layout()
+    before = comm._stage_costs(x, hw)[0]
+    monkeypatch.setattr(comm, "CP_RING_KERNEL_DTYPE", "float32")
+    assert comm._stage_costs(x, hw)[0] > 1.5 * before
+
+
+def test_8b_at_128k_on_one_h100_node_plans_cp_at_the_hand_formula():
+    # Llama 3 8B, 32 sequences of 128k tokens (4M tokens per step, the preset's), 8 H100: the plan's final uses CP
+    # and its step is within 25% of tokens x FLOPs/token / (GPUs x peak x efficiency), the estimator's own figures
+    from curry_train.advice.planner import plan
+
+    seq, gb = 131072, 32
+    p = plan("llama3-8b", 8, 1, None, seq, gb, gpu="H100")
+    assert p.final["cp"] > 1, p.final
+    ov = {"train.seq_len": seq, "train.global_batch": gb, "train.micro_batch": p.micro_batch,
+          **{f"parallel.{k}": v for k, v in p.final.items()}}
+    e = estimate(load_any("llama3-8b", ov), gpu="H100")
+    hand = gb * seq * e.hardware_flops_per_token / (8 * e.hardware.peak_flops("bfloat16") * e.hardware.efficiency)
+    assert e.fits and e.step_time.total_s == pytest.approx(p.final_step_time_s, rel=1e-9)
+    assert abs(p.final_step_time_s / hand - 1) <= 0.25, (p.final_step_time_s, hand)
