@@ -25,7 +25,8 @@ pytestmark = pytest.mark.timeout(300)
 
 # the fused attention ops the ring may call (CPU: flash; CUDA: memory-efficient), forward and backward
 FUSED_SDPA = ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_efficient_attention",
-              "_scaled_dot_product_flash_attention_for_cpu_backward", "_scaled_dot_product_efficient_attention_backward")
+              "_scaled_dot_product_flash_attention_for_cpu_backward",
+              "_scaled_dot_product_efficient_attention_backward")
 TORCH_DTYPE = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 

@@ -3,7 +3,7 @@ layout a careful engineer would run (`choose`).
 
     python -c "from curry_train.advice.planner import plan; print(plan('llama3-70b', 8, 32, 80.0, 8192, 1024).final)"
 
-Search space (issue 15): tp x cp x pp x dp over the cluster with
+Search space: tp x cp x pp x dp over the cluster with
   tp   every divisor of gpus_per_node that divides the heads, kv heads, d_ff and vocabulary (rules.tp_sizes);
   cp   every cp with seq_len % (2*cp) == 0 (rules.cp_sizes); below 32k tokens only when no layout without CP
        fits (the seed's "CP only with proven need");
@@ -23,7 +23,7 @@ An axis is one more loop and one more key in the row's `parallel` (dp_replicate 
 none: parallel.pp_layers stays unset, so the template and the estimator split by cost alike): the rest (fit,
 anti-patterns, choice) reads rows only.
 
-`choose` (issue 15): among the fitting rows without an anti-pattern, those within WITHIN (10%) of the fastest;
+`choose`: among the fitting rows without an anti-pattern, those within WITHIN (10%) of the fastest;
 of these the one with the fewest and lightest primitives in the ladder's order (CP, EP, PP, TP heaviest first,
 then recompute, then the ZeRO stage, then HSDP), preferring rows that use every GPU.
 """

@@ -28,7 +28,8 @@ Per op, what autograd saves (measured on torch 2.13 CPU with saved-tensor hooks,
   backward); ring attention (CP): q, the un-repeated k/v, an fp32 out and lse; TP's loss_parallel: an fp32
   log_softmax of the local vocabulary slice; the vocab-parallel embedding's gradient is full-size.
 Implementation buffers modelled: DDP's flat gradient buckets (gradient_as_bucket_view=True: the .grad tensors
-are views into them, so they are the gradients, alive from the wrap on), ZeroRedundancyOptimizer's greedy whole-tensor partition, FSDP2's padded dim-0 shards, the
+are views into them, so they are the gradients, alive from the wrap on), ZeroRedundancyOptimizer's greedy
+whole-tensor partition, FSDP2's padded dim-0 shards, the
 gathered units (zero 2: all of them from forward to backward; zero 3: root + current + prefetched block, and
 under a pipeline every unit of a chunk from its backward to its next forward: pipeline._kept_units), the
 unsharded fp32 gradients FSDP2 accumulates under a pipeline (its schedule turns sync off for all micro-batches
@@ -101,7 +102,8 @@ from curry_train.estimator.states import _states
 from curry_train.layout_warnings import layout_warnings
 
 __all__ = [  # the public API; planner.py and the tests also reach into _layout, _replace and _states
-    "GPU_NAMES", "CommItem", "Estimate", "GiB", "UnknownGpu", "check_cluster", "resolve_gpu", "with_gpu", "MemoryBreakdown", "Quick", "StepTime", "_layout", "_replace", "_states",
+    "GPU_NAMES", "CommItem", "Estimate", "GiB", "UnknownGpu", "check_cluster", "resolve_gpu", "with_gpu",
+    "MemoryBreakdown", "Quick", "StepTime", "_layout", "_replace", "_states",
     "active_params", "bubble_fraction", "dtype_policy", "estimate", "estimate_memory", "flops_per_token",
     "hardware_flops_per_token", "in_flight", "layout_need", "layout_need_every_rank", "load_any",
     "memory_per_pp_rank", "rank_classes", "rank_need", "model_states", "param_count",
