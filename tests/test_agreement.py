@@ -13,7 +13,7 @@ import pytest
 import yaml
 from curry_train.advice.advisor import recommend_next
 from curry_train.advice.planner import plan
-from curry_train.advice.search import PEAK_ERROR_BAND
+from curry_train.advice.search import PEAK_ERROR_BAND, PEAK_ERROR_MEASURED, Row, choose
 from curry_train.advice.tune import REMOVE_GAIN
 from curry_train.estimator import GiB, load_any
 
@@ -253,3 +253,30 @@ def test_a_long_context_verdict_says_it_rests_on_this_templates_chunked_loss():
     assert r.primitive in ("tp", "cp") and "In this template the LM loss is chunked" in r.reason
     assert "torchtitan" in r.reason and re.search(r"\(\d+\.\d+ GiB per rank here\)", r.reason)
     assert "chunked" not in recommend_next("tiny", "oom", measured_peak_bytes=2 * GiB).reason  # short: no clause
+
+
+def test_a_final_inside_the_error_band_must_pay_more_than_the_tie_band_and_keep_the_measured_error():
+    usable = 100 * GiB
+    edge, floor = usable * (1 - PEAK_ERROR_BAND), usable * (1 - PEAK_ERROR_MEASURED)
+
+    def row(cp: int, gib: float, step: float) -> Row:
+        par = {"dp": 8 // cp, "zero": 3, "recompute": "none", "tp": 1, "sp": False, "pp": 1, "pp_schedule": "1f1b",
+               "pp_virtual": 1, "ep": 1, "cp": cp, "dp_replicate": 1}
+        return Row(parallel=par, micro_batch=1, total=int(gib * GiB), step_s=step, mfu=0.5, comm_fraction=0.0,
+                   gpus_used=8)
+
+    outside = row(1, 90.0, 100.0)
+    # in the band, above the largest measured error, 24% faster: the gain is worth a measurement
+    assert choose([outside, row(8, 97.4, 76.0)], 8, edge, floor)[0].parallel["cp"] == 8
+    # in the band, only 5% faster: not worth the risk
+    assert choose([outside, row(8, 97.4, 95.0)], 8, edge, floor)[0].parallel["cp"] == 1
+    # deeper than the largest error the estimator has shown: never final while another row exists
+    assert choose([outside, row(8, 99.9, 50.0)], 8, edge, floor)[0].parallel["cp"] == 1
+    assert choose([row(8, 99.9, 50.0)], 8, edge, floor)[0].parallel["cp"] == 8  # the only row left
+
+
+def test_a_final_inside_the_band_says_to_measure_it():
+    p = plan("llama3-8b", 8, 1, None, 131072, 32, gpu="H100")
+    final = next(r for r in p.ranked if r.final)
+    assert final.headroom_gib < PEAK_ERROR_BAND * p.usable_gib and p.final["cp"] > 1
+    assert any("error band" in h and "bench it" in h for h in p.hints), p.hints

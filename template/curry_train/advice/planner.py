@@ -21,11 +21,11 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from curry_train.advice.search import PEAK_ERROR_BAND, Row, choose, label, min_nodes_to_fit, search
+from curry_train.advice.search import PEAK_ERROR_BAND, PEAK_ERROR_MEASURED, Row, choose, label, min_nodes_to_fit, search
 from curry_train.config import Config, ModelConfig, from_dict, load_yaml
 from curry_train.estimator import GiB, estimate, reserve_bytes, resolve_hardware
 from curry_train.estimator.profiles import check_cluster, get_profile
-from curry_train.rules import tp_blocked_by_vocab, vocab_pad_hint
+from curry_train.rules import WITHIN, tp_blocked_by_vocab, vocab_pad_hint
 
 
 class Rung(BaseModel):
@@ -290,7 +290,7 @@ def plan(model: str | dict[str, Any], gpus_per_node: int = 8, nodes: int = 1, gp
     found = search(cfg, hw, margin=margin, search_micro_batch=searched)
     label(cfg, found.rows, found.cp_fallback)
     usable = (int(budget * GiB) - reserve_bytes(cfg)) * (1 - margin)
-    final_row, best = choose(found.rows, world, usable * (1 - PEAK_ERROR_BAND))
+    final_row, best = choose(found.rows, world, usable * (1 - PEAK_ERROR_BAND), usable * (1 - PEAK_ERROR_MEASURED))
     hints = [f"tp={k} is blocked only by the vocabulary: {vocab_pad_hint(cfg.model.vocab_size, k)}"
              for k in tp_blocked_by_vocab(cfg.model, gpus_per_node)[-1:]]
     if final_row is not None:
@@ -302,6 +302,11 @@ def plan(model: str | dict[str, Any], gpus_per_node: int = 8, nodes: int = 1, gp
         hints.append(f"micro_batch {mb} instead of the given {given_mb} (search_micro_batch searched it: "
                      f"{final_row.step_s if final_row else float('nan'):.3g} s per step); pass "
                      f"search_micro_batch=false to keep {given_mb}")
+    edge = usable * (1 - PEAK_ERROR_BAND)
+    if final_row is not None and final_row.total > edge:
+        hints.append(f"final is within the estimator's {PEAK_ERROR_BAND:.0%} error band of the limit "
+                     f"({final_row.total / GiB:.1f} of {usable / GiB:.1f} GiB usable) and more than {WITHIN:.0%} "
+                     "faster than every layout outside it: bench it (measure the peak) before committing")
     min_nodes = None if final_row is not None else min_nodes_to_fit(cfg, hw, margin)
     rows = sorted(found.rows, key=lambda r: (r.step_s, r.weight))
     used = final_row.gpus_used if final_row else final["dp"] * final["tp"] * final["pp"] * final["cp"]
