@@ -32,6 +32,7 @@ from curry_train.estimator.makespan import bubble_ratio
 from curry_train.estimator.pipeline import stage_ids
 from curry_train.estimator.profiles import HardwareProfile
 from curry_train.estimator.states import _states
+from curry_train.wrapping import shards_optimizer_only
 
 FIRST_BUCKET_BYTES = 1 * 2**20  # DDP's first bucket; later ones are 25 MiB
 BUCKET_BYTES = 25 * 2**20
@@ -281,7 +282,7 @@ def _step_time(x: _Layout, hw: HardwareProfile) -> tuple[StepTime, list[CommItem
     items = _comm(x, hw, busy[0])
     exposed = sum(i.exposed_s for i in items)
     st = _states(x, stage_ids(x, 0))
-    t_opt = 28.0 * st.n_stored / (hw.mem_bw_gbps * 1e9) / (x.dpcp if x.zero == 1 and x.dpcp > 1 else 1)
+    t_opt = 28.0 * st.n_stored / (hw.mem_bw_gbps * 1e9) / (x.dpcp if shards_optimizer_only(x.dp, x.cp, x.zero) else 1)
     total = span + exposed + t_opt
     model_flops = tokens_step * flops_per_token(x)
     mfu = model_flops / (total * x.world * peak) if total > 0 else 0.0

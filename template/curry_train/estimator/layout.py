@@ -10,6 +10,7 @@ from typing import Any
 
 from curry_train.config import Config, loss_chunk_count
 from curry_train.pipeline_split import layers_per_stage
+from curry_train.wrapping import data_parallel_wrapper
 
 GiB = 2**30
 
@@ -75,11 +76,11 @@ class _Layout:
 
     @property
     def fsdp(self) -> bool:
-        return self.zero >= 2 and self.dpcp > 1
+        return data_parallel_wrapper(self.dp, self.cp, self.zero) == "fsdp"  # the template's rule, wrapping.py
 
     @property
     def ddp(self) -> bool:
-        return self.zero <= 1 and self.dpcp > 1
+        return data_parallel_wrapper(self.dp, self.cp, self.zero) == "ddp"
 
     @property
     def path(self) -> str:

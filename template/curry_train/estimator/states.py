@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from curry_train.estimator.layout import _block_tensors, _Layout, _root_tensors, _Tensor, rank_layers
+from curry_train.wrapping import shards_optimizer_only
 
 
 @lru_cache(maxsize=4096)
@@ -86,7 +87,7 @@ def _states_cached(x: _Layout, stages: tuple[int, ...]) -> _States:
                        all_units=cbytes * (n_blocks * unit + root_sz), rs_buffer=4 * unit,
                        step_transient=_step_transient(x, 4 * largest, 4 * stored), n_local=n_local,
                        n_stored=stored, largest_tensor=largest, root_stored=root_shard, chunk_units=chunks)
-    if x.zero == 1 and x.dpcp > 1:
+    if shards_optimizer_only(x.dp, x.cp, x.zero):  # ZeRO-1 (wrapping.py)
         every = blk * n_blocks + root
         owned = _zero1_max_share(tuple(g if r > 1 else d0 for d0, r, g, _ in every),
                                  tuple(d0 * r for d0, r, _, _ in every), x.dpcp)

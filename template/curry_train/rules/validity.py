@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 from pydantic import BaseModel
 
 from curry_train.pipeline_split import check_pp_layers
+from curry_train.wrapping import data_parallel_wrapper, shards_optimizer_only
 
 if TYPE_CHECKING:  # type hints only: config.py imports this package at runtime
     from curry_train.config import Config
@@ -144,16 +145,17 @@ def check(cfg: Config) -> list[Problem]:
             bad(["train.global_batch", "train.micro_batch", "parallel.pp"],
                 f"{p.pp_schedule} needs the micro-batch count ({n_micro}) to be a multiple of pp={p.pp}",
                 f"use global_batch a multiple of {p.pp * p.dp * t.micro_batch}")
-    if p.dp * p.cp > 1 and p.zero < 2 and p.tp > 1:  # DDP's bucketed all-reduce takes plain tensors only
+    ddp = data_parallel_wrapper(p.dp, p.cp, p.zero) == "ddp"  # which wrapper the template gives (wrapping.py)
+    if ddp and p.tp > 1:  # DDP's bucketed all-reduce takes plain tensors only
         bad(["parallel.zero", "parallel.tp"], f"zero={p.zero} wraps the model in DDP, which in this template "
             "cannot hold tensor-parallel (DTensor) parameters (Megatron-LM's TP with DDP or its distributed "
             "optimizer, i.e. ZeRO-1, is a standard layout there; this template runs TP as torchtitan does)",
             "use parallel.zero=2 or 3 with tp (FSDP2 shards the TP shards along dp, as torchtitan does)")
-    if p.dp * p.cp > 1 and p.zero < 2 and p.pp > 1 and p.pp_schedule == "zero_bubble":
+    if ddp and p.pp > 1 and p.pp_schedule == "zero_bubble":
         bad(["parallel.zero", "parallel.pp_schedule"], f"zero={p.zero} (DDP) all-reduces when the last "
             "micro-batch's backward ends, but zero_bubble runs some weight-gradient passes after it (gradients "
             "would be wrong)", "use parallel.zero=2 or 3 with zero_bubble, or pp_schedule=interleaved_1f1b")
-    if m.num_experts and p.ep > 1 and p.zero == 1 and p.dp * p.cp > 1:
+    if m.num_experts and p.ep > 1 and shards_optimizer_only(p.dp, p.cp, p.zero):
         bad(["parallel.zero", "parallel.ep"], "ZeRO-1 (ZeroRedundancyOptimizer) broadcasts every updated "
             "parameter from its owner, which would overwrite one EP rank's experts with another's",
             "use parallel.zero=0 (DDP) or 2/3 (FSDP, experts sharded over the expert-data-parallel ranks)")
