@@ -56,9 +56,10 @@ MAX_MICRO_BATCH = 64  # beyond this the GEMMs are long saturated; bounds the loo
 # against the exact live-tensor tracker (BENCHMARKS.md: <= 3%, 1.73% the largest measured). A layout whose
 # estimate is inside this fraction of the usable budget may not fit in fact: the search takes a larger
 # micro-batch into the band only for at least MB_GAIN, and `choose` keeps `final` out of the band unless it pays.
-# PEAK_ERROR_MEASURED is the largest error that benchmark measures on its deterministic configs (2.13%, rounded
-# up; one PP + FSDP bf16 config moves by one unit's async reduce-scatter buffer, BENCHMARKS.md): a row with less
-# headroom than that is never final while another row exists; between it and the band only for a gain over WITHIN.
+# PEAK_ERROR_MEASURED is the largest error that benchmark measures where the tracker is exact (2.13%, rounded up;
+# one PP + FSDP bf16 config's measured peak moves run to run by one unit's async reduce-scatter buffer,
+# BENCHMARKS.md): a row with less headroom than that is never final while another row exists; between it and the
+# band only for a gain over WITHIN.
 PEAK_ERROR_BAND = 0.03
 PEAK_ERROR_MEASURED = 0.022
 MB_GAIN = 0.02
