@@ -135,6 +135,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.multirank)
         if names & SUBPROCESS and not item.get_closest_marker("slow"):
             item.add_marker(pytest.mark.slow)
+    # Launching tests first, in a stable order: pytest-xdist hands tests out in collection order, so the long ones
+    # spread over the workers at the start instead of leaving one worker alone with a 40 s test at the end.
+    items.sort(key=lambda it: (not it.get_closest_marker("multirank"), not it.get_closest_marker("slow")))
 
 
 class UnmarkedLaunch(RuntimeError):
