@@ -19,7 +19,8 @@ from curry_train.validation.whitebox import whitebox_batch
 from tests.conftest import PRESETS
 
 # First diverging module each bug must be localised to (the earliest failing step's earliest failing tensor).
-FIRST_LAYER = {"ddp-unreduced-grad": "layers.2", "tp-sp-norm-unreduced": "layers.0", "ep-expert-unreduced": "layers.0"}
+FIRST_LAYER = {"ddp-unreduced-grad": "layers.2", "tp-sp-norm-unreduced": "layers.0", "ep-expert-unreduced": "layers.0",
+               "rank-grad-1pct": "layers.0"}
 
 
 def _natural(name: str):
@@ -58,6 +59,13 @@ def test_every_planted_bug_fails_on_its_natural_layout_and_is_named(tmp_path):
     assert by["replica-lr"].worst_parameter.name.startswith("param[step 0, rank 1]")
     # the white-box runs the real train step: a zero-grad that does nothing sums two steps' gradients at step 1
     assert by["zero-grad-noop"].worst_parameter.name.startswith("grad[step 1]"), by["zero-grad-noop"].worst_parameter
+    # the holes the re-synchronised, per-tensor, every-rank checks close (each entry passed the drift-loosened
+    # harness; docs/CPU-DISTRIBUTED.md, "White-box checks"): which check catches each
+    assert by["rank-grad-1pct"].worst_parameter.metric == "L2 |diff|", by["rank-grad-1pct"].worst_parameter
+    assert "exactly 0" in by["unseen-rows-grad"].worst_parameter.metric
+    assert by["clip-local-norm-fsdp"].worst_parameter.name.startswith("param[step 1]")  # the step-0 bound at step 1
+    assert any("rank 1's copy differs" in f for f in by["clip-local-norm-tp"].failures)
+    assert by["ddp-rank-sum"].worst_parameter.name.startswith("grad[step 0, rank 1]")  # reduced grads checksummed
     assert by["data-same-rows"].loss_max_diff > 1e-3  # half the batch: another loss, not only other gradients
     # HSDP without the replica all-reduce: rank 0's gradient is its replica's half-batch mean (not the global one),
     # and the first rank of the other replica group (ranks 2, 3 on the (dp_replicate, dp_shard) mesh) diverges.
@@ -79,7 +87,8 @@ def test_the_catalogue_lists_every_name_with_family_and_layout(capsys):
     assert [r["name"] for r in rows if r["available"]] == [r["name"] for r in rows] == list(CATALOGUE) == [
         "ddp-unreduced-grad", "zero1-no-weight-decay", "fsdp-grad-sum", "hsdp-no-replica-allreduce",
         "tp-sp-norm-unreduced", "pp-unscaled-grads", "ep-expert-unreduced", "cp-local-lse", "data-same-rows",
-        "replica-lr", "zero-grad-noop"]
+        "replica-lr", "zero-grad-noop", "rank-grad-1pct", "unseen-rows-grad", "clip-local-norm-fsdp",
+        "clip-local-norm-tp", "ddp-rank-sum"]
     assert all(r["family"] and r["breaks"] and r["layout"] for r in listing())
 
 

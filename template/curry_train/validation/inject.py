@@ -124,6 +124,23 @@ def _needs_dp(cfg: Config) -> str | None:
     return None
 
 
+def _needs_clip(cfg: Config) -> str | None:
+    if cfg.train.grad_clip <= 0:
+        return "clips gradients, which is off here (train.grad_clip=0): set train.grad_clip=0.5 (tiny's norm is ~1)"
+    if _wrapper(cfg) != "fsdp" and cfg.parallel.tp < 2:
+        return "needs sharded gradients (FSDP: parallel.zero >= 2 with dp*cp > 1, or parallel.tp > 1): with " \
+               "whole gradients on every rank the local norm is the global one"
+    return None
+
+
+def _needs_ddp_clip(cfg: Config) -> str | None:
+    why = _needs_ddp(cfg)
+    if why is None and cfg.train.grad_clip <= 0:
+        return "is caught by its 2x update without clipping; set train.grad_clip=0.5 to plant the case the " \
+               "clip hides (both ranks clip to the same norm, so their updates agree to rounding)"
+    return why
+
+
 def _needs_replicas(cfg: Config) -> str | None:
     if cfg.world_size < 2:
         return "needs more than one rank (a different lr on rank 1 needs a rank 1)"
@@ -163,6 +180,20 @@ CATALOGUE: dict[str, Injection] = {i.name: i for i in (
     Injection("zero-grad-noop", "step", "the training step's zero-grad does nothing: each step's gradients add to "
               "the previous steps' (caught from step 1 on: steps >= 2)", "tiny dp=2",
               {"config": "tiny", "parallel.dp": 2}, r"."),
+    Injection("rank-grad-1pct", "tensor", "rank 1's attention.wq gradients are 1% too large before the reduction "
+              "(0.5% on the reduced wq gradient, nothing else)", "tiny dp=2", {"config": "tiny", "parallel.dp": 2},
+              r"attention\.wq", _needs_replicas),
+    Injection("unseen-rows-grad", "zeros", "embedding rows no token uses get a 1e-11 gradient instead of 0, so AdamW "
+              "moves them ~1e-3*lr a step", "tiny dp=2", {"config": "tiny", "parallel.dp": 2}, r"tok_embeddings"),
+    Injection("clip-local-norm-fsdp", "clip", "gradient clipping by each rank's local shard norm, not the global "
+              "one (every FSDP shard its own coefficient)", "tiny dp=2 zero=3 grad_clip=0.7",
+              {"config": "tiny", "parallel.dp": 2, "parallel.zero": 3, "train.grad_clip": 0.7}, r".", _needs_clip),
+    Injection("clip-local-norm-tp", "clip", "gradient clipping by each rank's local TP shard norm: the replicated "
+              "norm weights get another coefficient on each tp rank", "tiny tp=2 grad_clip=0.5",
+              {"config": "tiny", "parallel.tp": 2, "train.grad_clip": 0.5}, "rank", _needs_clip),
+    Injection("ddp-rank-sum", "replicas", "rank 1 steps on the sum of the dp gradients, not their mean (clipping "
+              "hides it in the update)", "tiny dp=2 grad_clip=0.5",
+              {"config": "tiny", "parallel.dp": 2, "train.grad_clip": 0.5}, "rank", _needs_ddp_clip),
 )}
 
 

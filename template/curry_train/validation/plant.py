@@ -235,6 +235,77 @@ def zero_grad_noop(stack, cfg: Config, target: str | None) -> Planted:
     return Planted(after_setup=after)
 
 
+def rank_grad_1pct(stack, cfg: Config, target: str | None) -> Planted:
+    """Rank 1's attention.wq gradients are 1% too large before the reduction (a per-rank loss scale, a partial
+    sum counted 1.01 times): a tensor hook on the parameter runs before DDP's accumulate-grad reduction hook, so
+    the reduced gradient, the same on every replica, is 0.5% off on wq only."""
+
+    def after(par: Any) -> None:
+        if _rank() != 1:
+            return
+        for part in par.parts:
+            for name, p in part.named_parameters():
+                if name.endswith("attention.wq.weight"):
+                    p.register_hook(lambda g: g * 1.01)
+
+    return Planted(after_setup=after)
+
+
+def unseen_rows_grad(stack, cfg: Config, target: str | None) -> Planted:
+    """Embedding rows no token of the step uses get a gradient of 1e-11 instead of exactly 0 (a dense term, such as
+    a smoothing or z-loss leaking into the embedding): AdamW moves each such row by ~1e-3*lr per step (1e-11 /
+    (1e-11 + eps)), where the reference never moves it (the loss and grad norm do not see it at 2 steps)."""
+
+    def leak(g: torch.Tensor) -> torch.Tensor:
+        return torch.where(g == 0, torch.full_like(g, 1e-11), g)
+
+    def after(par: Any) -> None:
+        for part in par.parts:
+            for name, p in part.named_parameters():
+                if name.endswith("tok_embeddings.weight"):
+                    p.register_hook(leak)
+
+    return Planted(after_setup=after)
+
+
+def clip_local_norm(stack, cfg: Config, target: str | None) -> Planted:
+    """Gradient clipping by this rank's local norm: train.optim.global_grad_norm without any of its all-reduces
+    (the local shard's squares only), the bug of clipping with clip_grad_norm_ on sharded tensors' local parts.
+    Every FSDP or TP shard then gets its own clip coefficient, and TP-replicated tensors another per rank."""
+    from curry_train.train import optim
+
+    def local_norm(parts, cfg, mesh):
+        total = torch.zeros((), dtype=torch.float64)
+        for part in parts:
+            for p in part.parameters():
+                if p.grad is not None:
+                    g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+                    total = total + g.detach().double().pow(2).sum().cpu()
+        return total.sqrt()
+
+    _patch(stack, optim, "global_grad_norm", local_norm)
+    return Planted()
+
+
+def ddp_rank_sum(stack, cfg: Config, target: str | None) -> Planted:
+    """Rank 1 steps on the SUM of the dp gradients, not their mean (a comm hook that forgets the 1/world
+    division on one host): its DDP comm hook is the default all-reduce times the group size. Rank 0 is right."""
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.nn.parallel import DistributedDataParallel
+
+    def summed(group, bucket):
+        n = dist.get_world_size(group)
+        return default_hooks.allreduce_hook(group, bucket).then(lambda fut: fut.value() * n)
+
+    def after(par: Any) -> None:
+        for part in par.parts:
+            if isinstance(part, DistributedDataParallel):
+                part.register_comm_hook(part.process_group, summed if _rank() == 1 else default_hooks.allreduce_hook)
+
+    return Planted(after_setup=after)
+
+
 PLANTERS = {
     "ddp-unreduced-grad": ddp_unreduced_grad,
     "zero1-no-weight-decay": zero1_no_weight_decay,
@@ -247,4 +318,9 @@ PLANTERS = {
     "data-same-rows": data_same_rows,
     "replica-lr": replica_lr,
     "zero-grad-noop": zero_grad_noop,
+    "rank-grad-1pct": rank_grad_1pct,
+    "unseen-rows-grad": unseen_rows_grad,
+    "clip-local-norm-fsdp": clip_local_norm,
+    "clip-local-norm-tp": clip_local_norm,
+    "ddp-rank-sum": ddp_rank_sum,
 }

@@ -38,6 +38,9 @@ class Verdict(BaseModel):
     n_params_compared: int
     n_replica_copies: int = Field(0, description="Parameter copies held by all ranks together (every one checked: "
                                                  "checksummed across replicas, divergent ones compared).")
+    bound_use: dict[str, float] = Field(default_factory=dict, description="Largest fraction of each bound used "
+                                        "over every tensor and step (validation/compare.py names the checks): "
+                                        "> 1 fails; a clean run's figures are its noise margins.")
     injection: str | None = Field(None, description="Planted bug (validation/inject.py) this run carried; the "
                                                     "verdict must then fail.")
     run_id: str | None = None
