@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 _OLD_NAMES = {"V": "vocab_size", "D": "d_model", "L": "n_layers", "H": "n_heads", "G": "n_kv_heads", "F": "d_ff",
               "E": "num_experts", "K": "top_k", "cf": "capacity_factor", "s": "seq_len", "gb": "global_batch",
               "b": "micro_batch", "schedule": "pp_schedule", "v": "pp_virtual", "gpn": "gpus_per_node",
-              "budget_gib": "gpu_memory_gib", "has_z": "z_loss", "has_aux": "aux_loss", "dpr": "dp_replicate",
+              "budget_gib": "gpu_memory_gib", "has_z": "has_z_loss", "has_aux": "has_aux_loss", "dpr": "dp_replicate",
               "lc": "loss_chunks"}
 
 
