@@ -23,46 +23,46 @@ from __future__ import annotations
 from functools import lru_cache
 
 from curry_train.estimator.init import init_peak
-from curry_train.estimator.layout import _Layout, stage_split
+from curry_train.estimator.layout import Layout, stage_split
 from curry_train.estimator.peak import _peak
 from curry_train.estimator.pipeline import _pipe_states, _PipeState, schedule_key, stage_ids
 
 
-def rank_need(x: _Layout, pp_rank: int) -> int:
+def rank_need(layout: Layout, pp_rank: int) -> int:
     """Bytes one pipeline rank needs: the larger of its step peak and its init peak."""
-    return max(_peak(x, pp_rank).total, init_peak(x, pp_rank))
+    return max(_peak(layout, pp_rank).total, init_peak(layout, pp_rank))
 
 
-def layout_need(x: _Layout, limit: int | None = None) -> int:
+def layout_need(layout: Layout, limit: int | None = None) -> int:
     """Bytes the layout needs on its worst pipeline rank (every rank, through its dominating classes). With
     `limit`, a layout that some rank already shows over it returns that rank's need (a lower bound, above the
     limit) without the other ranks: enough for a caller that asks only whether it fits."""
-    if limit is not None and x.pp > 1:
+    if limit is not None and layout.pp > 1:
         firsts = {}
-        for r in range(x.pp):
-            firsts.setdefault(stage_content(x, r), r)
-        low = max(rank_need(x, r) for r in firsts.values())
+        for r in range(layout.pp):
+            firsts.setdefault(stage_content(layout, r), r)
+        low = max(rank_need(layout, r) for r in firsts.values())
         if low > limit:
             return low
-    return max(rank_need(x, r) for r in rank_classes(x))
+    return max(rank_need(layout, r) for r in rank_classes(layout))
 
 
-def layout_need_every_rank(x: _Layout) -> int:
+def layout_need_every_rank(layout: Layout) -> int:
     """layout_need without the fast path: every pipeline rank evaluated (the reference the tests hold it to)."""
-    return max(rank_need(x, r) for r in range(x.pp))
+    return max(rank_need(layout, r) for r in range(layout.pp))
 
 
-def stage_content(x: _Layout, pp_rank: int) -> tuple[tuple[int, bool, bool], ...]:
+def stage_content(layout: Layout, pp_rank: int) -> tuple[tuple[int, bool, bool], ...]:
     """Per stage this rank holds, in order: (its layers, first stage, last stage)."""
-    n_stages, split = x.pp * x.v, stage_split(x)
-    return tuple((split[s], s == 0, s == n_stages - 1) for s in stage_ids(x, pp_rank))
+    n_stages, split = layout.pp * layout.pp_virtual, stage_split(layout)
+    return tuple((split[s], s == 0, s == n_stages - 1) for s in stage_ids(layout, pp_rank))
 
 
-def rank_classes(x: _Layout) -> tuple[int, ...]:
+def rank_classes(layout: Layout) -> tuple[int, ...]:
     """The pipeline ranks whose peak no other rank's bounds (see the module docstring), lowest rank first."""
-    if x.pp == 1:
+    if layout.pp == 1:
         return (0,)
-    return _classes(schedule_key(x), tuple(stage_content(x, r) for r in range(x.pp)))
+    return _classes(schedule_key(layout), tuple(stage_content(layout, r) for r in range(layout.pp)))
 
 
 # Schedules whose every rank's states dominate those of the next rank (the head's rank apart), so that the lowest

@@ -7,32 +7,32 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
-from curry_train.estimator.layout import _Layout
+from curry_train.estimator.layout import Layout
 from curry_train.pipeline_split import pipeline_stage_ids
 
 
-def stage_ids(x: _Layout, pp_rank: int) -> list[int]:
+def stage_ids(layout: Layout, pp_rank: int) -> list[int]:
     """Stages a pipeline rank holds: the template's own split (rules.pipeline_stage_ids)."""
-    return pipeline_stage_ids(x.pp, x.v, x.schedule, pp_rank)
+    return pipeline_stage_ids(layout.pp, layout.pp_virtual, layout.pp_schedule, pp_rank)
 
 
-def _actions(x: _Layout, rank: int) -> list[tuple[str, int]]:
+def _actions(layout: Layout, rank: int) -> list[tuple[str, int]]:
     """This rank's compute actions in schedule order: ("F"|"B"|"I"|"W", local chunk index).
 
     Ports torch.distributed.pipelining's schedules (2.13): Schedule1F1B's warm-up of p - r micro-batches,
     ScheduleGPipe's all-forward-all-backward, the interleaved/zero-bubble warm-up of _get_warmup_ops and
     ScheduleZBVZeroBubble's V order. Only the order on one rank matters for the memory it holds.
     """
-    p, m, v = x.pp, x.m, x.v
-    if x.schedule == "gpipe" or p == 1:
+    p, m, v = layout.pp, layout.n_micro_batches, layout.pp_virtual
+    if layout.pp_schedule == "gpipe" or p == 1:
         return [("F", 0)] * m + [("B", 0)] * m
-    if x.schedule == "1f1b":
+    if layout.pp_schedule == "1f1b":
         warm = min(m, p - rank)
         acts = [("F", 0)] * warm
         for _ in range(m - warm):
             acts += [("B", 0), ("F", 0)]
         return acts + [("B", 0)] * warm
-    if x.schedule == "zero_bubble" and v == 2:
+    if layout.pp_schedule == "zero_bubble" and v == 2:
         n = max(2 * p - 1, m)
         acts, f0, f1, b0, b1 = [], 0, 0, 0, 0
         for _ in range(2 * (p - rank) - 1):
@@ -66,7 +66,7 @@ def _actions(x: _Layout, rank: int) -> list[tuple[str, int]]:
         acts += [("W", 1)] * (b1 - w1) + [("W", 0)] * (b0 - w0)
         return acts
     # interleaved 1F1B / interleaved zero bubble (looped placement)
-    zb = x.schedule == "zero_bubble"
+    zb = layout.pp_schedule == "zero_bubble"
     rounds = max(1, m // p)
     per_round = m // rounds
     warm = min((v - 1) * per_round + (1 if zb else 2) * (p - 1 - rank), m * v)
@@ -109,19 +109,19 @@ class _PipeState:
     pending: tuple[int, ...] = ()  # per local chunk: zero-bubble I's whose W has not run yet (this W's own included)
 
 
-def pipe_states(x: _Layout, rank: int) -> list[_PipeState]:
+def pipe_states(layout: Layout, rank: int) -> list[_PipeState]:
     """The backward starts worth evaluating: the one with the most activations alive, the most with gradients
     already there, each for every pattern of chunks whose FSDP units torch keeps gathered (_kept_units), and
     (last stage) the last one, when every micro-batch's logits are kept. Also the fullest forward ends while
     another chunk's units are kept (`fwd`), and zero 3's fullest zero-bubble W starts that gather again (`weight`).
     A zero-bubble input-backward (I) keeps the graph, and so the activations, until its weight-backward (W)."""
-    key = schedule_key(x)
+    key = schedule_key(layout)
     return _pipe_states(*key[:4], rank, *key[4:])
 
 
-def schedule_key(x: _Layout) -> tuple[str, int, int, int, bool]:
+def schedule_key(layout: Layout) -> tuple[str, int, int, int, bool]:
     """What a rank's schedule states depend on besides the rank: (schedule, pp, v, m, units tracked: zero 3)."""
-    return x.schedule, x.pp, x.v, x.m, x.fsdp and x.zero == 3
+    return layout.pp_schedule, layout.pp, layout.pp_virtual, layout.n_micro_batches, layout.fsdp and layout.zero == 3
 
 
 def periodic_rounds(schedule: str, pp: int, v: int, m: int) -> int:
@@ -149,8 +149,8 @@ def _pipe_states(schedule: str, pp: int, v: int, m: int, rank: int, units: bool 
 
 def _simulate_pipe(schedule: str, pp: int, v: int, m: int, rank: int, units: bool) -> list[_PipeState]:
     """`units`: track the chunks whose units torch keeps gathered (zero 3; otherwise none are, as before)."""
-    x = _PipeKey(schedule=schedule, pp=pp, v=v, m=m)
-    stages = stage_ids(x, rank)  # type: ignore[arg-type]
+    layout = _PipeKey(pp_schedule=schedule, pp=pp, pp_virtual=v, n_micro_batches=m)
+    stages = stage_ids(layout, rank)  # type: ignore[arg-type]
     n_chunks = len(stages)
     head = stages.index(pp * v - 1) if pp * v - 1 in stages else -1
     held = [0] * n_chunks
@@ -161,7 +161,7 @@ def _simulate_pipe(schedule: str, pp: int, v: int, m: int, rank: int, units: boo
     best: dict[int, tuple[tuple, tuple]] = {}  # ranking * 2**n_chunks + kept mask -> (key, the state's fields)
     last = None
     pending = [0] * n_chunks  # I's awaiting their W: each keeps its graph and its linears' output gradients
-    acts = _kept_units(x, rank) if units else [(k, c, 0) for k, c in _actions(x, rank)]  # type: ignore
+    acts = _kept_units(layout, rank) if units else [(k, c, 0) for k, c in _actions(layout, rank)]  # type: ignore
     top = 1 << n_chunks
 
     def fields(fwd: bool = False, weight: bool = False) -> tuple:  # the _PipeState fields now (kept: a mask)
@@ -214,7 +214,7 @@ def _simulate_pipe(schedule: str, pp: int, v: int, m: int, rank: int, units: boo
     return out
 
 
-def _kept_units(x: _Layout, rank: int) -> list[tuple[str, int, int]]:
+def _kept_units(layout: Layout, rank: int) -> list[tuple[str, int, int]]:
     """_actions, each with a bit mask of the local chunks whose FSDP units are all unsharded when it starts
     (bit c: chunk c).
 
@@ -232,8 +232,8 @@ def _kept_units(x: _Layout, rank: int) -> list[tuple[str, int, int]]:
     split-backward stage (parallel/pipeline.py `_split_backward_stage`) gathers every unit of the chunk at the
     start of each I and W pass (FSDPModule.unshard), so a W also leaves its chunk gathered; the masks are those
     before that gather (estimator/peak.py puts the gather itself at the start of the pass)."""
-    acts = _actions(x, rank)
-    runtime = x.schedule in ("interleaved_1f1b", "zero_bubble") and x.pp > 1
+    acts = _actions(layout, rank)
+    runtime = layout.pp_schedule in ("interleaved_1f1b", "zero_bubble") and layout.pp > 1
     n_chunks = 1 + max(c for _, c in acts)
     kept = [False] * n_chunks
     last_action = {c: i for i, (_, c) in enumerate(acts)}
@@ -251,7 +251,7 @@ def _kept_units(x: _Layout, rank: int) -> list[tuple[str, int, int]]:
     out = []
     mask = sum(1 << ci for ci, k in enumerate(kept) if k)
     for i, (kind, c) in enumerate(acts):
-        zb_unshard = kind == "W" and x.schedule == "zero_bubble"
+        zb_unshard = kind == "W" and layout.pp_schedule == "zero_bubble"
         if runtime:
             nxt = upcoming[i]
             for c2 in [c2 for c2 in active if c2 not in nxt]:  # RESHARD
@@ -269,7 +269,7 @@ def _kept_units(x: _Layout, rank: int) -> list[tuple[str, int, int]]:
             kept[c] = True  # every unit left gathered by the backward (a zero-bubble W gathers them again)
         if kind in ("B", "W"):
             backwards[c] += 1
-            if backwards[c] == x.m:  # perform_reduce_grad: reduce-scatter and reshard
+            if backwards[c] == layout.n_micro_batches:  # perform_reduce_grad: reduce-scatter and reshard
                 kept[c] = False
         if few and i == last_action[c]:
             kept[c] = False  # RESHARD once no action of the chunk is left
@@ -280,25 +280,26 @@ def _kept_units(x: _Layout, rank: int) -> list[tuple[str, int, int]]:
 
 @dataclass(frozen=True)
 class _PipeKey:
-    """The fields of _Layout the schedule simulation reads."""
+    """The fields of Layout the schedule simulation reads."""
 
-    schedule: str
+    pp_schedule: str
     pp: int
-    v: int
-    m: int
+    pp_virtual: int
+    n_micro_batches: int
 
 
-def in_flight(x: _Layout, rank: int) -> tuple[list[int], int]:
+def in_flight(layout: Layout, rank: int) -> tuple[list[int], int]:
     """(per local chunk: micro-batches held at the fullest backward start, their total)."""
-    s_ = max((q for q in pipe_states(x, rank) if not (q.fwd or q.weight)), key=lambda q: sum(q.held))
+    s_ = max((q for q in pipe_states(layout, rank) if not (q.fwd or q.weight)), key=lambda q: sum(q.held))
     return list(s_.held), sum(s_.held)
 
 
-def bubble_fraction(x: _Layout) -> float:
+def bubble_fraction(layout: Layout) -> float:
     """The TEXTBOOK bubble, idle over ideal time (Narayanan et al. 2021 §2.2; docs/ESTIMATION.md): (p-1)/m for
     GPipe and 1F1B, divided by v for interleaving, and a third of that again for zero bubble (Qi et al. 2024,
     with F = B = W). The step time uses `bubble_ratio` (the schedule's simulated action order) instead."""
-    if x.pp == 1:
+    if layout.pp == 1:
         return 0.0
-    f = (x.pp - 1) / (x.m * (x.v if x.schedule in ("interleaved_1f1b", "zero_bubble") else 1))
-    return f / 3 if x.schedule == "zero_bubble" else f
+    interleaved = layout.pp_schedule in ("interleaved_1f1b", "zero_bubble")
+    f = (layout.pp - 1) / (layout.n_micro_batches * (layout.pp_virtual if interleaved else 1))
+    return f / 3 if layout.pp_schedule == "zero_bubble" else f
