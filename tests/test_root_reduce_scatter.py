@@ -1,4 +1,4 @@
-"""FSDP's root reduce-scatter at the end of the backward (estimator/peak.py _root_reduce_scatter).
+"""FSDP's root reduce-scatter at the end of the backward (estimator/phases.py _root_reduce_scatter).
 
 The measured figures below come from `benchmarks/estimator_accuracy.py --only vocab-zero --verbose`
 (measure/memory.py's exact tracker, torch 2.13 CPU, gloo ranks); re-measure them there if the template or torch
@@ -11,7 +11,7 @@ import inspect
 
 import pytest
 from curry_train.estimator import estimate, layout_of, load_any
-from curry_train.estimator.peak import _root_reduce_scatter
+from curry_train.estimator.phases import _root_reduce_scatter
 from curry_train.estimator.states import _states
 
 VOCAB_BF16 = {"model.vocab_size": 4096, "parallel.zero": 3, "train.dtype": "bfloat16"}

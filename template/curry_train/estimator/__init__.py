@@ -55,7 +55,9 @@ it); this one holds the public API and the result models and re-exports the othe
   states.py     model states: params, gradients, AdamW state and the DDP / ZeRO-1 / FSDP buffers around them
   acts.py       activation bytes of one micro-batch, per op and dtype path
   pipeline.py   stage placement, each rank's schedule order, the schedule states (micro-batches in flight)
-  peak.py       the moments of the step and the per-rank peak
+  moments.py    what one rank holds at a schedule state (RankView, StateView) and the implementation facts read
+  phases.py     one function per moment of the step (loss / LM-head / block backwards, the optimizer step ...)
+  peak.py       the per-rank peak: the largest moment
   init.py       the init peak (meta-device build, then local shards one parameter at a time)
   need.py       what a layout needs per rank (step and init peak), every pipeline rank: what `fits` reads
   profiles.py   hardware profiles (peak FLOP/s, bandwidths) for the time model

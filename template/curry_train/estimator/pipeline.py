@@ -231,7 +231,7 @@ def _kept_units(layout: Layout, rank: int) -> list[tuple[str, int, int]]:
     others resharded (with v <= 3 chunks, all of them from the step's first action). Zero bubble: the template's
     split-backward stage (parallel/pipeline.py `_split_backward_stage`) gathers every unit of the chunk at the
     start of each I and W pass (FSDPModule.unshard), so a W also leaves its chunk gathered; the masks are those
-    before that gather (estimator/peak.py puts the gather itself at the start of the pass)."""
+    before that gather (estimator/phases.py puts the gather itself at the start of the pass)."""
     acts = _actions(layout, rank)
     runtime = layout.pp_schedule in ("interleaved_1f1b", "zero_bubble") and layout.pp > 1
     n_chunks = 1 + max(c for _, c in acts)
