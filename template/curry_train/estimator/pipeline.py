@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from functools import lru_cache
+from operator import itemgetter
 
 from curry_train.estimator.layout import Layout
 from curry_train.pipeline_split import pipeline_stage_ids
@@ -72,20 +73,16 @@ def _actions(layout: Layout, rank: int) -> list[tuple[str, int]]:
     warm = min((v - 1) * per_round + (1 if zb else 2) * (p - 1 - rank), m * v)
     total = m * v
 
-    def fwd_chunk(step: int) -> int:
-        return (step // per_round) % v
-
-    def bwd_chunk(step: int) -> int:
-        return v - 1 - ((step - warm) // per_round) % v
-
+    # forward op `step` runs chunk (step // per_round) % v, backward op `step` v-1 - ((step-warm) // per_round) % v
     acts: list[tuple[str, int]] = []
     pending_w: list[int] = []
+    bwd = "I" if zb else "B"
     for op in range(total + warm):
         if op < total:
-            acts.append(("F", fwd_chunk(op)))
+            acts.append(("F", (op // per_round) % v))
         if op >= warm:  # steady state and cool-down: one backward per op
-            c = bwd_chunk(op)
-            acts.append(("I" if zb else "B", c))
+            c = v - 1 - ((op - warm) // per_round) % v
+            acts.append((bwd, c))
             if zb:
                 pending_w.append(c)
                 if op - warm >= rank:
@@ -167,34 +164,51 @@ def _simulate_pipe(schedule: str, pp: int, v: int, m: int, rank: int, units: boo
     def fields(fwd: bool = False, weight: bool = False) -> tuple:  # the _PipeState fields now (kept: a mask)
         return (tuple(held), n_grads / n_chunks, fwd_head, c, kept, has_grads[c], fwd, weight, tuple(pending))
 
-    def offer(slot: int, key: tuple, **kind_: bool) -> None:  # keep the fullest state per slot
-        if slot not in best or key > best[slot][0]:
-            best[slot] = (key, fields(**kind_))
-
+    # (the loop is the planner's hot path: `best` is updated inline, keeping the fullest state per slot, the
+    # first of equal ones; only the head's rank reports its last backward start, snapshot at that action)
+    last_bwd = next((i for i in range(len(acts) - 1, -1, -1) if acts[i][0] in ("B", "I")), -1) if head >= 0 else -1
+    zb_gathers = units and schedule == "zero_bubble"  # a W gathers its chunk again (_split_backward_stage)
     total = 0  # sum(held)
-    for kind, c, kept in acts:
+    share = 0.0  # n_grads / n_chunks
+    for i, (kind, c, kept) in enumerate(acts):
         if kind == "F":
             held[c] += 1
             total += 1
             fwd_head += c == head
             if kept & ~(1 << c):  # (interleaved: the measured peak)
-                offer(2 * top + kept, (total, n_grads / n_chunks), fwd=True)
+                key, slot = (total, share), 2 * top + kept
+                got = best.get(slot)
+                if got is None or key > got[0]:
+                    best[slot] = (key, fields(fwd=True))
             continue
-        if kind in ("B", "I"):
-            offer(kept, (total, n_grads / n_chunks))
-            offer(top + kept, (n_grads / n_chunks, total))
-            if head >= 0:  # (only the head's rank reports its last backward start)
+        if kind == "W":
+            if zb_gathers and not kept >> c & 1:
+                key, slot = (total, share), 3 * top + kept
+                got = best.get(slot)
+                if got is None or key > got[0]:
+                    best[slot] = (key, fields(weight=True))
+            if pending[c] > 0:
+                pending[c] -= 1
+        else:  # B or I: a backward start
+            key = (total, share)
+            got = best.get(kept)
+            if got is None or key > got[0]:
+                best[kept] = (key, fields())
+            key, slot = (share, total), top + kept
+            got = best.get(slot)
+            if got is None or key > got[0]:
+                best[slot] = (key, fields())
+            if i == last_bwd:
                 last = fields()
-            pending[c] += kind == "I"
-        if kind == "W" and units and schedule == "zero_bubble" and not kept >> c & 1:  # _split_backward_stage
-            offer(3 * top + kept, (total, n_grads / n_chunks), weight=True)  # gathers the chunk again
-        if kind in ("B", "W"):
-            held[c] -= 1
-            total -= 1
-            pending[c] -= kind == "W" and pending[c] > 0
-            if not has_grads[c]:
-                has_grads[c] = True
-                n_grads += 1
+            if kind == "I":
+                pending[c] += 1
+                continue
+        held[c] -= 1  # B and W
+        total -= 1
+        if not has_grads[c]:
+            has_grads[c] = True
+            n_grads += 1
+            share = n_grads / n_chunks
 
     def pattern(mask: int) -> tuple[bool, ...]:
         return tuple(bool(mask >> ci & 1) for ci in range(n_chunks))
@@ -234,34 +248,40 @@ def _kept_units(layout: Layout, rank: int) -> list[tuple[str, int, int]]:
     before that gather (estimator/phases.py puts the gather itself at the start of the pass)."""
     acts = _actions(layout, rank)
     runtime = layout.pp_schedule in ("interleaved_1f1b", "zero_bubble") and layout.pp > 1
-    n_chunks = 1 + max(c for _, c in acts)
+    n_chunks = 1 + max(map(itemgetter(1), acts))
     kept = [False] * n_chunks
-    last_action = {c: i for i, (_, c) in enumerate(acts)}
     few = runtime and n_chunks <= 3  # every chunk is among the next 3 from the start until its last action
+    last_action = {c: i for i, (_, c) in enumerate(acts)} if few else {}
     if few:
         kept, runtime = [True] * n_chunks, False
     active: set[int] = set()
     backwards = [0] * n_chunks
-    # the next 3 distinct chunks from each action on (_add_unshard_reshard's next_stage_indices), built backwards
+    # the next 3 distinct chunks from each action on (_add_unshard_reshard's next_stage_indices), built backwards;
+    # an action whose next 3 are those of the action after it shares that list (nothing to unshard or reshard)
     upcoming: list[list[int]] = [[]] * len(acts)
     cur: list[int] = []
     for i in range(len(acts) - 1 if runtime else -1, -1, -1):
-        cur = [acts[i][1]] + [c2 for c2 in cur if c2 != acts[i][1]][:2]
+        c = acts[i][1]
+        if not cur or cur[0] != c:
+            cur = [c] + [c2 for c2 in cur if c2 != c][:2]
         upcoming[i] = cur
     out = []
-    mask = sum(1 << ci for ci, k in enumerate(kept) if k)
+    mask = sum(1 << ci for ci, k in enumerate(kept) if k)  # kept as bits, kept in step with `kept`
+    prev: list[int] | None = None
+    zero_bubble, m = layout.pp_schedule == "zero_bubble", layout.n_micro_batches
     for i, (kind, c) in enumerate(acts):
-        zb_unshard = kind == "W" and layout.pp_schedule == "zero_bubble"
-        if runtime:
-            nxt = upcoming[i]
+        zb_unshard = kind == "W" and zero_bubble
+        if runtime and upcoming[i] is not prev:  # (the same list again: active is already exactly it)
+            nxt = prev = upcoming[i]
             for c2 in [c2 for c2 in active if c2 not in nxt]:  # RESHARD
                 active.discard(c2)
                 kept[c2] = False
+                mask &= ~(1 << c2)
             for c2 in nxt:
                 if c2 not in active:  # UNSHARD: every unit of the stage, all-gathered before it computes
                     active.add(c2)
                     kept[c2] = True
-            mask = sum(1 << ci for ci, k in enumerate(kept) if k)
+                    mask |= 1 << c2
         out.append((kind, c, mask))
         if kind == "F":
             kept[c] = False  # each unit resharded after its forward (zero 3)
@@ -269,7 +289,7 @@ def _kept_units(layout: Layout, rank: int) -> list[tuple[str, int, int]]:
             kept[c] = True  # every unit left gathered by the backward (a zero-bubble W gathers them again)
         if kind in ("B", "W"):
             backwards[c] += 1
-            if backwards[c] == layout.n_micro_batches:  # perform_reduce_grad: reduce-scatter and reshard
+            if backwards[c] == m:  # perform_reduce_grad: reduce-scatter and reshard
                 kept[c] = False
         if few and i == last_action[c]:
             kept[c] = False  # RESHARD once no action of the chunk is left
