@@ -85,9 +85,9 @@ def _classes(key: tuple, contents: tuple) -> tuple[int, ...]:
         for r, content in enumerate(contents):
             firsts.setdefault(content, r)
         return tuple(sorted(firsts.values()))
-    kept: list[tuple[int, list[_PipeState]]] = []
+    kept: list[tuple[int, dict[tuple, list[_PipeState]]]] = []
     for r, content in enumerate(contents):
-        states = _pipe_states(*key[:4], r, *key[4:])
+        states = _by_kind(_pipe_states(*key[:4], r, *key[4:]))
         same = [(k, s) for k, s in kept if contents[k] == content]
         if any(_dominates(s, states) for _, s in same):
             continue
@@ -96,9 +96,24 @@ def _classes(key: tuple, contents: tuple) -> tuple[int, ...]:
     return tuple(sorted(k for k, _ in kept))
 
 
-def _dominates(a: list[_PipeState], b: list[_PipeState]) -> bool:
-    """Every state of b is covered by one of a."""
-    return all(any(_covers(sa, sb) for sa in a) for sb in b)
+def _kind(s: _PipeState) -> tuple:
+    """What two states must share for one to cover the other (see _covers)."""
+    return s.grads, s.chunk, s.kept, s.own_grads, s.fwd, s.weight
+
+
+def _by_kind(states: list[_PipeState]) -> dict[tuple, list[_PipeState]]:
+    out: dict[tuple, list[_PipeState]] = {}
+    for s in states:
+        out.setdefault(_kind(s), []).append(s)
+    return out
+
+
+def _dominates(a: dict[tuple, list[_PipeState]] | list[_PipeState],
+               b: dict[tuple, list[_PipeState]] | list[_PipeState]) -> bool:
+    """Every state of b is covered by one of a (states grouped by _kind: only a state of the same kind can)."""
+    a = _by_kind(a) if isinstance(a, list) else a
+    b = _by_kind(b) if isinstance(b, list) else b
+    return all(any(_covers(sa, sb) for sa in a.get(kind, ())) for kind, group in b.items() for sb in group)
 
 
 def _covers(sa: _PipeState, sb: _PipeState) -> bool:

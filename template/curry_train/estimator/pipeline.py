@@ -155,7 +155,7 @@ def _simulate_pipe(schedule: str, pp: int, v: int, m: int, rank: int, units: boo
     fwd_head, n_grads = 0, 0
     # (ranking, kept pattern) -> (key, the state's fields): per pattern of kept units, the fullest backward start,
     # the one with the most gradients, and the fullest forward end while another chunk is kept
-    best: dict[int, tuple[tuple, tuple]] = {}  # ranking * 2**n_chunks + kept mask -> (key, the state's fields)
+    best: dict[int, tuple[int, tuple]] = {}  # ranking * 2**n_chunks + kept mask -> (key, the state's fields)
     last = None
     pending = [0] * n_chunks  # I's awaiting their W: each keeps its graph and its linears' output gradients
     acts = _kept_units(layout, rank) if units else [(k, c, 0) for k, c in _actions(layout, rank)]  # type: ignore
@@ -169,32 +169,34 @@ def _simulate_pipe(schedule: str, pp: int, v: int, m: int, rank: int, units: boo
     last_bwd = next((i for i in range(len(acts) - 1, -1, -1) if acts[i][0] in ("B", "I")), -1) if head >= 0 else -1
     zb_gathers = units and schedule == "zero_bubble"  # a W gathers its chunk again (_split_backward_stage)
     total = 0  # sum(held)
-    share = 0.0  # n_grads / n_chunks
+    # the rankings (total held, gradient share) and (gradient share, total held) as one integer each, in the same
+    # order: n_grads is 0 ... n_chunks and total 0 ... len(acts)
+    by_total, by_grads = n_chunks + 1, len(acts) + 1
     for i, (kind, c, kept) in enumerate(acts):
         if kind == "F":
             held[c] += 1
             total += 1
             fwd_head += c == head
             if kept & ~(1 << c):  # (interleaved: the measured peak)
-                key, slot = (total, share), 2 * top + kept
+                key, slot = total * by_total + n_grads, 2 * top + kept
                 got = best.get(slot)
                 if got is None or key > got[0]:
                     best[slot] = (key, fields(fwd=True))
             continue
         if kind == "W":
             if zb_gathers and not kept >> c & 1:
-                key, slot = (total, share), 3 * top + kept
+                key, slot = total * by_total + n_grads, 3 * top + kept
                 got = best.get(slot)
                 if got is None or key > got[0]:
                     best[slot] = (key, fields(weight=True))
             if pending[c] > 0:
                 pending[c] -= 1
         else:  # B or I: a backward start
-            key = (total, share)
+            key = total * by_total + n_grads
             got = best.get(kept)
             if got is None or key > got[0]:
                 best[kept] = (key, fields())
-            key, slot = (share, total), top + kept
+            key, slot = n_grads * by_grads + total, top + kept
             got = best.get(slot)
             if got is None or key > got[0]:
                 best[slot] = (key, fields())
@@ -208,7 +210,6 @@ def _simulate_pipe(schedule: str, pp: int, v: int, m: int, rank: int, units: boo
         if not has_grads[c]:
             has_grads[c] = True
             n_grads += 1
-            share = n_grads / n_chunks
 
     def pattern(mask: int) -> tuple[bool, ...]:
         return tuple(bool(mask >> ci & 1) for ci in range(n_chunks))
@@ -249,11 +250,16 @@ def _kept_units(layout: Layout, rank: int) -> list[tuple[str, int, int]]:
     acts = _actions(layout, rank)
     runtime = layout.pp_schedule in ("interleaved_1f1b", "zero_bubble") and layout.pp > 1
     n_chunks = 1 + max(map(itemgetter(1), acts))
-    kept = [False] * n_chunks
     few = runtime and n_chunks <= 3  # every chunk is among the next 3 from the start until its last action
-    last_action = {c: i for i, (_, c) in enumerate(acts)} if few else {}
+    last_action: dict[int, int] = {}  # chunk -> index of its last action (read when few)
+    for i in range(len(acts) - 1 if few else -1, -1, -1):
+        last_action.setdefault(acts[i][1], i)
+        if len(last_action) == n_chunks:
+            break
+    # the chunks whose units are all gathered, as bits (bit c: chunk c)
+    mask = (1 << n_chunks) - 1 if few else 0
     if few:
-        kept, runtime = [True] * n_chunks, False
+        runtime = False
     active: set[int] = set()
     backwards = [0] * n_chunks
     # the next 3 distinct chunks from each action on (_add_unshard_reshard's next_stage_indices), built backwards;
@@ -266,35 +272,31 @@ def _kept_units(layout: Layout, rank: int) -> list[tuple[str, int, int]]:
             cur = [c] + [c2 for c2 in cur if c2 != c][:2]
         upcoming[i] = cur
     out = []
-    mask = sum(1 << ci for ci, k in enumerate(kept) if k)  # kept as bits, kept in step with `kept`
     prev: list[int] | None = None
     zero_bubble, m = layout.pp_schedule == "zero_bubble", layout.n_micro_batches
     for i, (kind, c) in enumerate(acts):
-        zb_unshard = kind == "W" and zero_bubble
         if runtime and upcoming[i] is not prev:  # (the same list again: active is already exactly it)
             nxt = prev = upcoming[i]
             for c2 in [c2 for c2 in active if c2 not in nxt]:  # RESHARD
                 active.discard(c2)
-                kept[c2] = False
                 mask &= ~(1 << c2)
             for c2 in nxt:
                 if c2 not in active:  # UNSHARD: every unit of the stage, all-gathered before it computes
                     active.add(c2)
-                    kept[c2] = True
                     mask |= 1 << c2
         out.append((kind, c, mask))
+        bit = 1 << c
         if kind == "F":
-            kept[c] = False  # each unit resharded after its forward (zero 3)
-        elif kind in ("B", "I") or zb_unshard:
-            kept[c] = True  # every unit left gathered by the backward (a zero-bubble W gathers them again)
-        if kind in ("B", "W"):
-            backwards[c] += 1
-            if backwards[c] == m:  # perform_reduce_grad: reduce-scatter and reshard
-                kept[c] = False
+            mask &= ~bit  # each unit resharded after its forward (zero 3)
+        else:
+            if kind != "W" or zero_bubble:
+                mask |= bit  # every unit left gathered by the backward (a zero-bubble W gathers them again)
+            if kind != "I":  # B and W
+                backwards[c] += 1
+                if backwards[c] == m:  # perform_reduce_grad: reduce-scatter and reshard
+                    mask &= ~bit
         if few and i == last_action[c]:
-            kept[c] = False  # RESHARD once no action of the chunk is left
-        if kept[c] != bool(mask >> c & 1):
-            mask ^= 1 << c
+            mask &= ~bit  # RESHARD once no action of the chunk is left
     return out
 
 

@@ -61,9 +61,10 @@ def _states_cached(layout: Layout, stages: tuple[int, ...]) -> _States:
     n_tensors = n_blocks * len(blk) + len(root)
     cbytes = 2 if layout.precision == "mp" else 4
     edp = (layout.dp // layout.ep) * layout.cp
+    dense_group = layout.shard  # HSDP shards dense tensors over dp*cp/dp_replicate ranks
 
-    def group(tn: _Tensor) -> int:  # HSDP shards dense tensors over dp*cp/dp_replicate ranks (layout.shard)
-        return edp if (tn[3] == "expert" and layout.ep > 1) else layout.shard
+    def group(tn: _Tensor) -> int:
+        return edp if (tn[3] == "expert" and layout.ep > 1) else dense_group
 
     def shard(tn: _Tensor) -> int:  # FSDP2: dim 0 split in ceil(d0 / d) rows, rank 0 holds the most
         g = group(tn)
