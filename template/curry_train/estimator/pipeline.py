@@ -153,9 +153,6 @@ def _simulate_pipe(schedule: str, pp: int, v: int, m: int, rank: int, units: boo
     held = [0] * n_chunks
     has_grads = [False] * n_chunks
     fwd_head, n_grads = 0, 0
-    # (ranking, kept pattern) -> (key, the state's fields): per pattern of kept units, the fullest backward start,
-    # the one with the most gradients, and the fullest forward end while another chunk is kept
-    best: dict[int, tuple[int, tuple]] = {}  # ranking * 2**n_chunks + kept mask -> (key, the state's fields)
     last = None
     pending = [0] * n_chunks  # I's awaiting their W: each keeps its graph and its linears' output gradients
     acts = _kept_units(layout, rank) if units else [(k, c, 0) for k, c in _actions(layout, rank)]  # type: ignore
@@ -164,14 +161,19 @@ def _simulate_pipe(schedule: str, pp: int, v: int, m: int, rank: int, units: boo
     def fields(fwd: bool = False, weight: bool = False) -> tuple:  # the _PipeState fields now (kept: a mask)
         return (tuple(held), n_grads / n_chunks, fwd_head, c, kept, has_grads[c], fwd, weight, tuple(pending))
 
-    # (the loop is the planner's hot path: `best` is updated inline, keeping the fullest state per slot, the
-    # first of equal ones; only the head's rank reports its last backward start, snapshot at that action)
+    # Kept per pattern of kept units: the fullest backward start, the one with the most gradients, the fullest
+    # forward end while another chunk is kept, the fullest zero-bubble W that gathers again (the first of equal
+    # ones; the loop is the planner's hot path, so the slots are updated inline). Only the head's rank reports
+    # its last backward start, snapshot at that action.
     last_bwd = next((i for i in range(len(acts) - 1, -1, -1) if acts[i][0] in ("B", "I")), -1) if head >= 0 else -1
     zb_gathers = units and schedule == "zero_bubble"  # a W gathers its chunk again (_split_backward_stage)
     total = 0  # sum(held)
     # the rankings (total held, gradient share) and (gradient share, total held) as one integer each, in the same
     # order: n_grads is 0 ... n_chunks and total 0 ... len(acts)
     by_total, by_grads = n_chunks + 1, len(acts) + 1
+    # per slot (ranking * 2**n_chunks + kept mask): its best key (-1: none yet) and state; `order`: the slots in
+    # the order they were first filled (the order ties keep below)
+    keys, found, order = [-1] * (4 * top), [()] * (4 * top), []
     for i, (kind, c, kept) in enumerate(acts):
         if kind == "F":
             held[c] += 1
@@ -179,27 +181,31 @@ def _simulate_pipe(schedule: str, pp: int, v: int, m: int, rank: int, units: boo
             fwd_head += c == head
             if kept & ~(1 << c):  # (interleaved: the measured peak)
                 key, slot = total * by_total + n_grads, 2 * top + kept
-                got = best.get(slot)
-                if got is None or key > got[0]:
-                    best[slot] = (key, fields(fwd=True))
+                if key > keys[slot]:
+                    if keys[slot] < 0:
+                        order.append(slot)
+                    keys[slot], found[slot] = key, fields(fwd=True)
             continue
         if kind == "W":
             if zb_gathers and not kept >> c & 1:
                 key, slot = total * by_total + n_grads, 3 * top + kept
-                got = best.get(slot)
-                if got is None or key > got[0]:
-                    best[slot] = (key, fields(weight=True))
+                if key > keys[slot]:
+                    if keys[slot] < 0:
+                        order.append(slot)
+                    keys[slot], found[slot] = key, fields(weight=True)
             if pending[c] > 0:
                 pending[c] -= 1
         else:  # B or I: a backward start
             key = total * by_total + n_grads
-            got = best.get(kept)
-            if got is None or key > got[0]:
-                best[kept] = (key, fields())
+            if key > keys[kept]:
+                if keys[kept] < 0:
+                    order.append(kept)
+                keys[kept], found[kept] = key, fields()
             key, slot = n_grads * by_grads + total, top + kept
-            got = best.get(slot)
-            if got is None or key > got[0]:
-                best[slot] = (key, fields())
+            if key > keys[slot]:
+                if keys[slot] < 0:
+                    order.append(slot)
+                keys[slot], found[slot] = key, fields()
             if i == last_bwd:
                 last = fields()
             if kind == "I":
@@ -210,6 +216,7 @@ def _simulate_pipe(schedule: str, pp: int, v: int, m: int, rank: int, units: boo
         if not has_grads[c]:
             has_grads[c] = True
             n_grads += 1
+    best = {slot: (keys[slot], found[slot]) for slot in order}
 
     def pattern(mask: int) -> tuple[bool, ...]:
         return tuple(bool(mask >> ci & 1) for ci in range(n_chunks))
