@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from typing import Any
 
 from curry_train.config import Config, loss_chunk_count
@@ -53,7 +53,7 @@ class Layout:
     dp_replicate: int = 1  # HSDP replicas (parallel.dp_replicate): FSDP shards over dpcp / dp_replicate ranks
     loss_chunks: int = 0  # train.loss_chunks (0 = auto): the LM head + loss in token chunks (config.loss_chunk_count)
 
-    @property
+    @cached_property  # (read in the planner's hot loops; the fields are frozen)
     def shard(self) -> int:
         """Ranks a dense parameter is FSDP-sharded over: dp*cp, or dp*cp/dp_replicate under HSDP."""
         return self.dpcp // self.dp_replicate
@@ -75,15 +75,15 @@ class Layout:
     def dpcp(self) -> int:
         return self.dp * self.cp
 
-    @property
+    @cached_property  # (read in the planner's hot loops; the fields are frozen)
     def fsdp(self) -> bool:
         return data_parallel_wrapper(self.dp, self.cp, self.zero) == "fsdp"  # the template's rule, wrapping.py
 
-    @property
+    @cached_property  # (read in the planner's hot loops; the fields are frozen)
     def ddp(self) -> bool:
         return data_parallel_wrapper(self.dp, self.cp, self.zero) == "ddp"
 
-    @property
+    @cached_property  # (read in the planner's hot loops; the fields are frozen)
     def precision(self) -> str:
         """fp32 | autocast | mp: which mixed-precision mechanism computes the model."""
         if self.dtype == "float32":

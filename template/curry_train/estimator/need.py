@@ -37,15 +37,17 @@ def layout_need(layout: Layout, limit: int | None = None) -> int:
     """Bytes the layout needs on its worst pipeline rank (every rank, through its dominating classes). With
     `limit`, a layout that some rank already shows over it returns that rank's need (a lower bound, above the
     limit) without the other ranks: enough for a caller that asks only whether it fits."""
-    if limit is not None and layout.pp > 1:
-        firsts = {}
-        for r in range(layout.pp):
-            firsts.setdefault(stage_content(layout, r), r)
+    if layout.pp == 1:
+        return rank_need(layout, 0)
+    contents = stage_contents(layout)
+    if limit is not None:
+        firsts: dict[tuple, int] = {}
+        for r, content in enumerate(contents):
+            firsts.setdefault(content, r)
         low = max(rank_need(layout, r) for r in firsts.values())
         if low > limit:
             return low
-    return max(rank_need(layout, r) for r in rank_classes(layout))
-
+    return max(rank_need(layout, r) for r in _classes(schedule_key(layout), contents))
 
 def layout_need_every_rank(layout: Layout) -> int:
     """layout_need without the fast path: every pipeline rank evaluated (the reference the tests hold it to)."""
@@ -54,16 +56,20 @@ def layout_need_every_rank(layout: Layout) -> int:
 
 def stage_content(layout: Layout, pp_rank: int) -> tuple[tuple[int, bool, bool], ...]:
     """Per stage this rank holds, in order: (its layers, first stage, last stage)."""
+    return stage_contents(layout)[pp_rank]
+
+
+def stage_contents(layout: Layout) -> tuple[tuple[tuple[int, bool, bool], ...], ...]:
+    """stage_content of every pipeline rank (the split computed once)."""
     n_stages, split = layout.pp * layout.pp_virtual, stage_split(layout)
-    return tuple((split[s], s == 0, s == n_stages - 1) for s in stage_ids(layout, pp_rank))
+    return tuple(tuple((split[s], s == 0, s == n_stages - 1) for s in stage_ids(layout, r)) for r in range(layout.pp))
 
 
 def rank_classes(layout: Layout) -> tuple[int, ...]:
     """The pipeline ranks whose peak no other rank's bounds (see the module docstring), lowest rank first."""
     if layout.pp == 1:
         return (0,)
-    return _classes(schedule_key(layout), tuple(stage_content(layout, r) for r in range(layout.pp)))
-
+    return _classes(schedule_key(layout), stage_contents(layout))
 
 # Schedules whose every rank's states dominate those of the next rank (the head's rank apart), so that the lowest
 # rank of each stage content is the only one evaluated and no other rank is simulated: GPipe (every rank runs the
