@@ -95,7 +95,7 @@ MATRIX: dict[str, dict[str, Any]] = {
     "vocab-single-bf16-chunks5": {"model.vocab_size": 4096, "train.dtype": "bfloat16", "train.loss_chunks": 5},
     "vocab-zero3-dp2": {"model.vocab_size": 4096, "parallel.dp": 2, "parallel.zero": 3},
     # with the loss chunked, this rank peaks in the root unit's reduce-scatter at the end of the backward: the
-    # fp32 reduce-scatter input and output of the [V, D] head and embedding (estimator.peak._root_reduce_scatter)
+    # fp32 reduce-scatter input and output of the [V, D] head and embedding (estimator.phases._root_reduce_scatter)
     "vocab-zero3-dp2-bf16": {"model.vocab_size": 4096, "parallel.dp": 2, "parallel.zero": 3,
                              "train.dtype": "bfloat16"},
     "vocab-zero2-dp4-bf16": {"model.vocab_size": 4096, "parallel.dp": 4, "parallel.zero": 2,  # one micro-step:

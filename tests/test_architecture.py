@@ -206,6 +206,24 @@ def test_every_module_belongs_to_a_layer():
     assert [m for m in MODULES if _layer(m) < 0] == []
 
 
+# The estimator computes in one direction, in the order its package docstring lists its files: layout -> model
+# states -> activations -> pipeline schedule -> the moments of the step -> peak -> need -> time. A file imports
+# only the files before it.
+ESTIMATOR_ORDER = ("layout", "states", "acts", "pipeline", "moments", "phases", "peak", "init", "need", "profiles",
+                   "makespan", "comm")
+
+
+def test_the_estimator_computes_in_one_direction():
+    order = [f"curry_train.estimator.{m}" for m in ESTIMATOR_ORDER]
+    assert sorted(order) == sorted(m for m in MODULES if m.startswith("curry_train.estimator."))
+    bad = [f"{m} imports {d}" for i, m in enumerate(order) for d in sorted(IMPORT_GRAPH[m])
+           if d.startswith("curry_train.estimator") and (d not in order or order.index(d) >= i)]
+    assert bad == [], "\n".join(bad)
+    doc = (REPO / "template" / "curry_train" / "estimator" / "__init__.py").read_text(encoding="utf-8")
+    listed = re.findall(r"^  (\w+)\.py ", doc, flags=re.M)
+    assert listed == list(ESTIMATOR_ORDER)
+
+
 def test_imports_point_down_the_layers():
     bad = [f"{m} ({LAYERS[_layer(m)][0]}) imports {d} ({LAYERS[_layer(d)][0]})"
            for m, deps in sorted(GRAPH.items()) for d in sorted(deps) if _layer(d) > _layer(m)]

@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from curry_train.estimator import _layout, _replace, comm, estimate, load_any
+from curry_train.estimator import comm, estimate, layout_of, load_any, replace_layout
 from curry_train.estimator.profiles import get_profile
 from curry_train.model.data import cp_positions
 from curry_train.parallel import context_parallel as cpm
@@ -71,7 +71,7 @@ def _ring_ops(group, dtype: torch.dtype) -> list[tuple[str, tuple[torch.dtype, .
 
 
 def _cp_layout(dtype: str = "bfloat16"):
-    return _layout(load_any("llama3-8b", {"train.seq_len": 32768, "train.global_batch": 8, "train.dtype": dtype,
+    return layout_of(load_any("llama3-8b", {"train.seq_len": 32768, "train.global_batch": 8, "train.dtype": dtype,
                                           "train.loss_chunks": 1, "parallel.dp": 1, "parallel.cp": 8,
                                           "parallel.zero": 3, "parallel.recompute": "full"}))
 
@@ -103,7 +103,7 @@ def test_ring_attention_costs_what_the_rest_of_the_block_costs():
     # their block compute is equal. An fp32 price for the ring (67 instead of 989 TFLOP/s on H100) breaks it.
     hw = get_profile("H100")
     x_cp = _cp_layout()
-    x_dp = _replace(x_cp, dp=8, cp=1)
+    x_dp = replace_layout(x_cp, dp=8, cp=1)
     blocks_cp, _, _ = comm._stage_costs(x_cp, hw)
     blocks_dp, _, _ = comm._stage_costs(x_dp, hw)
     assert blocks_cp == pytest.approx(blocks_dp, rel=1e-9)

@@ -10,12 +10,12 @@ import sys
 import pytest
 from curry_train.config import from_dict
 from curry_train.estimator import (
-    _layout,
     bubble_fraction,
     estimate,
     estimate_memory,
     flops_per_token,
     in_flight,
+    layout_of,
     load_any,
     model_states,
     param_count,
@@ -78,22 +78,22 @@ def test_recompute_and_tp_lower_the_activation_peak():
 
 def test_pipeline_schedules_hold_the_textbook_number_of_micro_batches():
     def held(schedule: str, v: int = 1, gb: int = 16) -> list[int]:
-        x = _layout(load_any("tiny", {"parallel.pp": 4, "parallel.pp_schedule": schedule, "parallel.pp_virtual": v,
+        x = layout_of(load_any("tiny", {"parallel.pp": 4, "parallel.pp_schedule": schedule, "parallel.pp_virtual": v,
                                       "train.global_batch": gb, "train.micro_batch": 1}))
         return [in_flight(x, r)[1] for r in range(4)]
 
     assert held("gpipe") == [16, 16, 16, 16]  # all forwards, then all backwards
     assert held("1f1b") == [4, 3, 2, 1]  # stage r warms up p - r micro-batches
     # interleaved (torch's _get_warmup_ops): rank 0 holds (v-1) p + 2 (p-1) + 1 chunk-micro-batches
-    x = _layout(load_any("tiny", {"parallel.pp": 2, "parallel.pp_schedule": "interleaved_1f1b",
+    x = layout_of(load_any("tiny", {"parallel.pp": 2, "parallel.pp_schedule": "interleaved_1f1b",
                                   "parallel.pp_virtual": 2, "train.global_batch": 8, "train.micro_batch": 1}))
     assert in_flight(x, 0)[1] == (2 - 1) * 2 + 2 * (2 - 1) + 1
 
 
 def test_bubble_fraction_is_p_minus_one_over_m_divided_by_v_when_interleaved():
-    x = _layout(load_any("tiny", {"parallel.pp": 4, "train.global_batch": 16, "train.micro_batch": 1}))
+    x = layout_of(load_any("tiny", {"parallel.pp": 4, "train.global_batch": 16, "train.micro_batch": 1}))
     assert bubble_fraction(x) == pytest.approx(3 / 16)
-    x = _layout(load_any("tiny", {"parallel.pp": 2, "parallel.pp_schedule": "interleaved_1f1b",
+    x = layout_of(load_any("tiny", {"parallel.pp": 2, "parallel.pp_schedule": "interleaved_1f1b",
                                   "parallel.pp_virtual": 2, "train.global_batch": 8, "train.micro_batch": 1}))
     assert bubble_fraction(x) == pytest.approx(1 / (2 * 8))
 

@@ -5,7 +5,7 @@ bubble comes from the schedule's simulated action order."""
 from __future__ import annotations
 
 import pytest
-from curry_train.estimator import _layout, _replace, estimate, estimate_memory, load_any
+from curry_train.estimator import estimate, estimate_memory, layout_of, load_any, replace_layout
 from curry_train.estimator.comm import _comm, _step_time
 from curry_train.estimator.makespan import bubble_ratio, simulate_makespan, simulated_bubble
 from curry_train.estimator.pipeline import bubble_fraction
@@ -93,13 +93,13 @@ def test_tp_collectives_sit_on_the_critical_path():
 
 
 def test_fsdp_regathers_every_micro_batch_and_hsdp_adds_a_replica_all_reduce():
-    x = _layout(load_any("llama3-70b", {"parallel.dp": 32, "parallel.tp": 1, "parallel.sp": False}))
+    x = layout_of(load_any("llama3-70b", {"parallel.dp": 32, "parallel.tp": 1, "parallel.sp": False}))
     hw = PROFILES["H100"]
-    one = {(c.collective): c for c in _comm(_replace(x, gb=32), hw, 100.0)}
-    four = {(c.collective): c for c in _comm(_replace(x, gb=128), hw, 400.0)}
+    one = {(c.collective): c for c in _comm(replace_layout(x, global_batch=32), hw, 100.0)}
+    four = {(c.collective): c for c in _comm(replace_layout(x, global_batch=128), hw, 400.0)}
     assert four["all_gather"].bytes == 4 * one["all_gather"].bytes  # m = 4 re-gathers (ZeRO-3: fwd + bwd)
     assert four["reduce_scatter"].bytes == 4 * one["reduce_scatter"].bytes
-    hs = {c.collective: c for c in _comm(_replace(x, dp_replicate=4), hw, 400.0)}
+    hs = {c.collective: c for c in _comm(replace_layout(x, dp_replicate=4), hw, 400.0)}
     assert hs["all_gather"].group_size == 8 and hs["all_gather"].link == "intra"  # shard group inside a node
     assert hs["all_reduce"].group_size == 4 and hs["all_reduce"].link == "inter"
     assert hs["all_reduce"].bytes * 8 == hs["reduce_scatter"].bytes  # the reduced shard crosses the replicas
@@ -111,26 +111,30 @@ def test_fsdp_regathers_every_micro_batch_and_hsdp_adds_a_replica_all_reduce():
 @pytest.mark.parametrize("sched,v", [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2)])
 @pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (8, 16), (4, 64)])
 def test_the_simulated_bubble_equals_the_closed_form_where_one_holds(sched, v, p, m):
-    x = _replace(_layout(load_any("tiny")), pp=p, schedule=sched, v=v, gb=m, b=1, dp=1, L=16)
+    x = replace_layout(layout_of(load_any("tiny")), pp=p, pp_schedule=sched, pp_virtual=v, global_batch=m,
+                       micro_batch=1, dp=1, n_layers=16)
     assert simulated_bubble(x) == pytest.approx((p - 1) / (v * m), rel=1e-6)
     assert bubble_ratio(x) == pytest.approx(simulated_bubble(x), rel=1e-6)
 
 
 @pytest.mark.parametrize("p", [2, 3, 4, 8, 16])
 def test_zero_bubble_equals_a_third_of_the_interleaved_bubble_from_two_rounds_on(p):
-    x0 = _replace(_layout(load_any("tiny")), pp=p, schedule="zero_bubble", v=2, b=1, dp=1, L=4 * p)
+    x0 = replace_layout(layout_of(load_any("tiny")), pp=p, pp_schedule="zero_bubble", pp_virtual=2,
+                        micro_batch=1, dp=1, n_layers=4 * p)
     for m in range(2 * p, 5 * p + 1):
-        x = _replace(x0, gb=m)
+        x = replace_layout(x0, global_batch=m)
         assert simulated_bubble(x) == pytest.approx((p - 1) / (3 * 2 * m), rel=1e-9)
         assert bubble_ratio(x) == pytest.approx(simulated_bubble(x), rel=1e-9)
-    assert simulated_bubble(_replace(x0, gb=p)) > 1.5 * bubble_fraction(_replace(x0, gb=p))  # m < 2p: more
+    short = replace_layout(x0, global_batch=p)
+    assert simulated_bubble(short) > 1.5 * bubble_fraction(short)  # m < 2p: more
 
 
 @pytest.mark.parametrize("p,m,idle", [(2, 4, 0.040), (2, 8, 0.020), (4, 4, 0.200), (4, 8, 0.059)])
 def test_zero_bubble_follows_torchs_action_order(p, m, idle):
     """The idle fractions benchmarks/pipeline_bubble.py simulates from torch's own ZBV order (BENCHMARKS.md);
     at m < 2p - 1 the textbook (p-1)/(3 v m) is half of it."""
-    x = _replace(_layout(load_any("tiny")), pp=p, schedule="zero_bubble", v=2, gb=m, b=1, dp=1, L=16)
+    x = replace_layout(layout_of(load_any("tiny")), pp=p, pp_schedule="zero_bubble", pp_virtual=2,
+                       global_batch=m, micro_batch=1, dp=1, n_layers=16)
     r = bubble_ratio(x)
     assert r / (1 + r) == pytest.approx(idle, abs=1e-3)
     if m < 2 * p - 1:
@@ -149,7 +153,7 @@ def test_a_long_schedule_is_extrapolated_from_its_period():
 
 def test_pipeline_step_follows_the_slowest_stage_with_the_head():
     cfg = load_any("gpt3-175b", {"parallel.pp_schedule": "1f1b", "parallel.pp_virtual": 1})
-    st, _ = _step_time(_layout(cfg), PROFILES["A100-80"])
+    st, _ = _step_time(layout_of(cfg), PROFILES["A100-80"])
     assert len(st.stage_compute_s) == 16
     assert st.stage_compute_s[-1] > st.stage_compute_s[1]  # LM head + loss on the last stage
     assert st.compute_s == max(st.stage_compute_s)
@@ -169,8 +173,9 @@ def test_the_chunked_loss_recomputes_the_head_forward_and_docs_quote_its_cost():
 
     from curry_train.estimator.layout import hardware_flops_per_token
 
-    x = _layout(load_any("llama3-8b"))
-    assert hardware_flops_per_token(x) - hardware_flops_per_token(_replace(x, lc=1)) == 2.0 * x.V * x.D
+    x = layout_of(load_any("llama3-8b"))
+    unchunked = replace_layout(x, loss_chunks=1)
+    assert hardware_flops_per_token(x) - hardware_flops_per_token(unchunked) == 2.0 * x.vocab_size * x.d_model
     one, auto = (estimate(load_any("llama3-8b", {"train.loss_chunks": k})).step_time for k in (1, 0))
     text = " ".join((Path(__file__).parents[1] / "docs" / "ESTIMATION.md").read_text(encoding="utf-8").split())
     quoted = (f"+{100 * (auto.total_s / one.total_s - 1):.1f}% of the step at the llama3-8b preset, "

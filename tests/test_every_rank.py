@@ -15,10 +15,10 @@ from curry_train.advice import search as search_mod
 from curry_train.advice.planner import plan
 from curry_train.estimator import (
     GiB,
-    _layout,
     estimate,
     layout_need,
     layout_need_every_rank,
+    layout_of,
     load_any,
     quick_layout,
     rank_need,
@@ -98,7 +98,7 @@ def test_the_fast_path_equals_every_rank_on_every_layout_the_planner_evaluates(m
             assert layout_need(x) == layout_need_every_rank(x), (setup[0], x)
             if x.pp > 1:
                 pp_layouts += 1
-                schedules.add((x.schedule, x.v, x.fsdp and x.zero == 3))
+                schedules.add((x.pp_schedule, x.pp_virtual, x.fsdp and x.zero == 3))
     assert pp_layouts > 1000 and len(schedules) >= 6
 
 
@@ -122,7 +122,7 @@ def test_quick_layout_and_estimate_agree_when_a_middle_rank_is_the_worst():
     # embedding), so neither the first nor the last rank is the worst
     cfg = load_any("llama3-8b", {"parallel.dp": 2, "parallel.pp": 4, "parallel.zero": 1, "train.global_batch": 64,
                                  "hardware.nodes": 1})
-    x = _layout(cfg)
+    x = layout_of(cfg)
     needs = [rank_need(x, r) for r in range(x.pp)]
     worst = needs.index(max(needs))
     assert worst not in (0, x.pp - 1), needs

@@ -9,7 +9,7 @@ from __future__ import annotations
 import inspect
 
 import pytest
-from curry_train.estimator import _layout, estimate, in_flight, load_any
+from curry_train.estimator import estimate, in_flight, layout_of, load_any
 from curry_train.estimator.pipeline import _kept_units, pipe_states
 
 D256 = {"parallel.pp": 2, "parallel.dp": 2, "parallel.zero": 3, "train.micro_batch": 1,
@@ -27,7 +27,7 @@ def test_torch_still_leaves_units_gathered_after_a_pipeline_backward():
 
 
 def test_1f1b_keeps_the_units_only_between_backwards_without_a_forward():
-    x = _layout(load_any("tiny", D256))  # m = 4, rank 0: F F B F B F B B
+    x = layout_of(load_any("tiny", D256))  # m = 4, rank 0: F F B F B F B B
     acts = _kept_units(x, 0)
     assert [k for k, _, _ in acts] == ["F", "F", "B", "F", "B", "F", "B", "B"]
     # bit 0 (chunk 0) gathered at an action's start: after each backward until the next forward reshards (zero 3)
@@ -35,13 +35,13 @@ def test_1f1b_keeps_the_units_only_between_backwards_without_a_forward():
 
 
 def test_gpipe_keeps_the_units_for_every_backward_after_the_first():
-    x = _layout(load_any("tiny", {**D256, "parallel.pp_schedule": "gpipe"}))
+    x = layout_of(load_any("tiny", {**D256, "parallel.pp_schedule": "gpipe"}))
     kept = [bool(kept & 1) for kind, _, kept in _kept_units(x, 1) if kind == "B"]
     assert kept == [False, True, True, True]
 
 
 def test_interleaved_gathers_both_chunks_ahead_and_drops_one_after_its_last_backward():
-    x = _layout(load_any("tiny", {**D256, "parallel.pp_schedule": "interleaved_1f1b", "parallel.pp_virtual": 2}))
+    x = layout_of(load_any("tiny", {**D256, "parallel.pp_schedule": "interleaved_1f1b", "parallel.pp_virtual": 2}))
     acts = _kept_units(x, 0)
     assert acts[0][2] == 0b11  # (bit c: chunk c) UNSHARD of both stages before the first action (_add_unshard_reshard)
     # a forward of chunk 1 right after a backward of chunk 0: chunk 0 still gathered (the measured peak)
@@ -65,7 +65,7 @@ def test_zero_bubble_gathers_the_chunk_before_its_split_backward():
 
     src = inspect.getsource(_split_backward_stage)
     assert '("input", "weight")' in src and "module.unshard()" in src
-    x = _layout(load_any("tiny", {**D256, **ZBV}))  # ZBV, rank 0 holds stages 0 and 3
+    x = layout_of(load_any("tiny", {**D256, **ZBV}))  # ZBV, rank 0 holds stages 0 and 3
     acts = _kept_units(x, 0)
     # the first I of each chunk starts with the chunk resharded by its forward: the gather is a moment of its own
     assert [bool(kept >> c & 1) for k, c, kept in acts if k == "I"][:3] == [False, False, False]
@@ -76,7 +76,7 @@ def test_zero_bubble_gathers_the_chunk_before_its_split_backward():
 
 def test_interleaved_zero_bubble_evaluates_the_w_starts_that_gather_again():
     # v = 3: some W passes follow a forward of their chunk (resharded): the W's unshard gathers it again
-    x = _layout(load_any("tiny", {**D256, "parallel.pp_schedule": "zero_bubble", "parallel.pp_virtual": 3,
+    x = layout_of(load_any("tiny", {**D256, "parallel.pp_schedule": "zero_bubble", "parallel.pp_virtual": 3,
                                   "model.n_layers": 6}))
     assert any(k == "W" and not kept >> c & 1 for k, c, kept in _kept_units(x, 1))
     weights = [s_ for s_ in pipe_states(x, 1) if s_.weight]

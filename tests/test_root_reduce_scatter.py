@@ -1,4 +1,4 @@
-"""FSDP's root reduce-scatter at the end of the backward (estimator/peak.py _root_reduce_scatter).
+"""FSDP's root reduce-scatter at the end of the backward (estimator/phases.py _root_reduce_scatter).
 
 The measured figures below come from `benchmarks/estimator_accuracy.py --only vocab-zero --verbose`
 (measure/memory.py's exact tracker, torch 2.13 CPU, gloo ranks); re-measure them there if the template or torch
@@ -10,8 +10,8 @@ from __future__ import annotations
 import inspect
 
 import pytest
-from curry_train.estimator import _layout, estimate, load_any
-from curry_train.estimator.peak import _root_reduce_scatter
+from curry_train.estimator import estimate, layout_of, load_any
+from curry_train.estimator.phases import _root_reduce_scatter
 from curry_train.estimator.states import _states
 
 VOCAB_BF16 = {"model.vocab_size": 4096, "parallel.zero": 3, "train.dtype": "bfloat16"}
@@ -40,8 +40,8 @@ def test_the_root_reduce_scatter_is_the_peak_where_measured(overrides, measured)
 
 
 def test_cuda_has_no_gloo_copy_of_the_input():
-    cpu = _layout(load_any("tiny", {**VOCAB_BF16, "parallel.dp": 2}))
-    cuda = _layout(load_any("tiny", {**VOCAB_BF16, "parallel.dp": 2, "hardware.device": "cuda"}))
+    cpu = layout_of(load_any("tiny", {**VOCAB_BF16, "parallel.dp": 2}))
+    cuda = layout_of(load_any("tiny", {**VOCAB_BF16, "parallel.dp": 2, "hardware.device": "cuda"}))
     st = _states(cpu, [0])
     rs_cpu = _root_reduce_scatter(cpu, st, 2, 2, 0, 0)[5]["root_reduce_scatter"]
     rs_cuda = _root_reduce_scatter(cuda, _states(cuda, [0]), 2, 2, 0, 0)[5]["root_reduce_scatter"]

@@ -15,7 +15,7 @@ import yaml
 from curry_train import config, rules
 from curry_train.advice.advisor import recommend_next
 from curry_train.config import from_dict
-from curry_train.estimator import _layout
+from curry_train.estimator import layout_of
 from curry_train.estimator import stage_ids as estimator_stage_ids
 from curry_train.pipeline_split import layers_per_stage, pipeline_stage_ids, stage_layer_range
 from curry_train.rules import ANTI_PATTERN_RULES, anti_patterns
@@ -94,7 +94,7 @@ def test_every_anti_pattern_with_an_eval_tag_has_a_conversation():
 def test_the_pipeline_split_is_one_function(pp, v, schedule):
     cfg = _cfg(model={"n_layers": 16}, train={"global_batch": 16, "micro_batch": 1},
                parallel={"pp": pp, "pp_virtual": v, "pp_schedule": schedule, "zero": 2})
-    x = _layout(cfg)
+    x = layout_of(cfg)
     held = [pipeline_stage_ids(pp, v, schedule, r) for r in range(pp)]
     assert held == [estimator_stage_ids(x, r) for r in range(pp)]
     assert sorted(s for h in held for s in h) == list(range(pp * v))  # every stage exactly once

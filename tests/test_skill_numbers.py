@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 from curry_train.config import from_dict
-from curry_train.estimator import _layout, _replace, _states, stage_ids
+from curry_train.estimator import _states, layout_of, replace_layout, stage_ids
 from curry_train.estimator.acts import _acts
 from curry_train.estimator.layout import hardware_flops_per_token
 from curry_train.estimator.pipeline import bubble_fraction, in_flight
@@ -34,14 +34,14 @@ def _layout_for(dtype: str = "bfloat16", **parallel):
     cfg = from_dict({"model": LLAMA3_8B, "train": {"seq_len": 8192, "global_batch": 64, "micro_batch": 1,
                                                    "dtype": dtype},
                      "parallel": parallel, "hardware": {"device": "cuda", "gpus_per_node": 8, "nodes": 1}})
-    return _layout(cfg)
+    return layout_of(cfg)
 
 
 def _bytes_per_param(zero: int, d: int) -> float:
     """Stored params + grads + AdamW state over the model's parameters, per rank (the estimator's states)."""
     x = _layout_for(dp=d, zero=zero)
     st = _states(x, stage_ids(x, 0))
-    n = _states(_replace(x, dp=1, zero=0), [0]).n_local
+    n = _states(replace_layout(x, dp=1, zero=0), [0]).n_local
     return (st.params + st.grads_full + st.opt) / n
 
 
@@ -97,7 +97,7 @@ def test_bubble_fractions_match_the_estimator(p, v, m):
     for sched in ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"):
         vv = v if sched in ("interleaved_1f1b", "zero_bubble") else 1
         x = _layout_for(dp=1, pp=p, pp_schedule=sched, pp_virtual=vv)
-        x = _replace(x, gb=m, b=1)
+        x = replace_layout(x, global_batch=m, micro_batch=1)
         formula = rows[f"`{sched}`"][0].split("(")[0] if not rows[f"`{sched}`"][0].startswith("(") else \
             re.match(r"\(p−1\)(/\([^)]*\)|/m)", rows[f"`{sched}`"][0]).group(0)
         assert _eval(formula, p=p, v=vv, m=m) == pytest.approx(bubble_fraction(x)), f"{sched}: {formula}"
@@ -111,7 +111,7 @@ def test_decision_details_quotes_the_same_bubbles():
 def _saved_per_sbh(dtype: str = "bfloat16", **parallel) -> float:
     """Activation bytes a layer keeps from forward to backward, over s·b·h (the estimator's activation model)."""
     x = _layout_for(dtype, **parallel)
-    return _acts(x).layer_saved / (x.s * x.b * x.D)
+    return _acts(x).layer_saved / (x.seq_len * x.micro_batch * x.d_model)
 
 
 RECOMPUTE = SKILLS / "primitive-recompute" / "SKILL.md"
@@ -139,7 +139,8 @@ def test_full_recompute_keeps_four_sbh_bytes_divided_by_tp_under_sp():
 def test_recompute_flops_match_the_estimator():
     text = " ".join(RECOMPUTE.read_text(encoding="utf-8").split())
     x = _layout_for()
-    none, sel, full = (hardware_flops_per_token(_replace(x, recompute=rc)) for rc in ("none", "selective", "full"))
+    none, sel, full = (hardware_flops_per_token(replace_layout(x, recompute=rc))
+                       for rc in ("none", "selective", "full"))
     assert "+33% of the block FLOPs" in text and "+31% of all FLOPs for llama3-8b at 8k" in text
     assert round(100 * (full / none - 1)) == 31
     assert "no extra FLOPs in the estimate" in text and sel == none
@@ -154,7 +155,7 @@ def test_in_flight_activations_per_schedule_match_the_estimator(p, v, m):
     held = {}
     for sched in ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"):
         vv = v if sched in ("interleaved_1f1b", "zero_bubble") else 1
-        x = _replace(_layout_for(dp=1, pp=p, pp_schedule=sched, pp_virtual=vv), gb=m, b=1)
+        x = replace_layout(_layout_for(dp=1, pp=p, pp_schedule=sched, pp_virtual=vv), global_batch=m, micro_batch=1)
         held[sched] = in_flight(x, 0)[1] * L / (p * vv)
         if sched != "zero_bubble":
             formula = rows[f"`{sched}`"][1].split(":")[0].split("≈")[0]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 from curry_train.config import load_config
-from curry_train.estimator import _layout, _states
+from curry_train.estimator import _states, layout_of
 from curry_train.train.launch import launch_forkserver
 from curry_train.validation.whitebox import whitebox_batch
 
@@ -46,7 +46,7 @@ def test_every_rank_holds_one_over_ep_times_edp_of_the_experts():
         assert per_rank == [total // 4] * 4, (o, per_rank, total)  # ep * edp = 4: no padding
         print(f"\n{o}: expert bytes per rank {per_rank} of {total} ({res[0][i]['placement']})")
         # the estimator's stored parameters are rank 0's (FSDP2 pads uneven dense dims there, e.g. the router)
-        assert 4 * _states(_layout(load_config(MOE, o)), [0]).n_stored == res[0][i]["all_bytes"]
+        assert 4 * _states(layout_of(load_config(MOE, o)), [0]).n_stored == res[0][i]["all_bytes"]
 
 def test_whitebox_experts_sharded_on_a_hidden_dim(tmp_path):
     cfgs = [load_config(MOE, o) for o in LAYOUTS]

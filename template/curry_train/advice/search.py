@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from curry_train.config import Config, ParallelConfig
-from curry_train.estimator import GiB, _layout, _replace, _states, layout_need, reserve_bytes, stage_ids
+from curry_train.estimator import GiB, _states, layout_need, layout_of, replace_layout, reserve_bytes, stage_ids
 from curry_train.estimator.comm import _step_time
 from curry_train.estimator.profiles import HardwareProfile
 from curry_train.rules import (
@@ -145,7 +145,7 @@ def search(cfg: Config, hw: HardwareProfile, *, margin: float = 0.0, first_fit: 
 
 def _search(cfg: Config, hw: HardwareProfile, margin: float, *, with_cp: bool,
             first_fit: bool, search_mb: bool = True) -> tuple[list[Row], int]:
-    x0 = _layout(cfg)
+    x0 = layout_of(cfg)
     m, t = cfg.model, cfg.train
     usable = int(cfg.hardware.gpu_memory_gib * GiB) - reserve_bytes(cfg)
     limit = int(usable * (1 - margin))
@@ -174,10 +174,11 @@ def _search(cfg: Config, hw: HardwareProfile, margin: float, *, with_cp: bool,
                     valid += len(mbs)  # one layout per micro-batch
                     if dpr > 1 and zero in over:
                         continue
-                    x = _replace(x0, dp=dp, zero=zero, recompute="none", tp=tp, sp=sp, pp=pp, schedule=sched, v=v,
-                                 ep=ep, cp=cp, b=mbs[0], dp_replicate=dpr, pp_layers=None)
+                    x = replace_layout(x0, dp=dp, zero=zero, recompute="none", tp=tp, sp=sp, pp=pp,
+                                       pp_schedule=sched, pp_virtual=v, ep=ep, cp=cp, micro_batch=mbs[0],
+                                       dp_replicate=dpr, pp_layers=None)
                     st = _states(x, stage_ids(x, 0))
-                    if st.params + st.opt > usable or layout_need(_replace(x, recompute="full"), limit) > limit:
+                    if st.params + st.opt > usable or layout_need(replace_layout(x, recompute="full"), limit) > limit:
                         over.add(zero)  # model states alone, or the lightest mode at the smallest micro-batch,
                         continue  # overflow: no recompute and no larger micro-batch fits
                     start, prev = 0, float("inf")
@@ -188,7 +189,7 @@ def _search(cfg: Config, hw: HardwareProfile, margin: float, *, with_cp: bool,
                         # memory first (the step time, a pipeline simulation, only for a fit); the lightest mode
                         # that fits never gets lighter as the micro-batch grows, so the search starts at the last
                         for rc in RC[start:]:
-                            xr = _replace(x, recompute=rc, b=b)
+                            xr = replace_layout(x, recompute=rc, micro_batch=b)
                             total = layout_need(xr, limit)
                             if total <= limit:
                                 fit = (rc, xr, total)

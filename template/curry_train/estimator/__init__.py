@@ -48,16 +48,21 @@ largest). Checked against curry_train.measure.memory on 39 tiny layouts (benchma
 states exact, median total error < 0.1%. Communication uses ring factors and alpha-beta times per link (intra
 vs inter node); step time = compute at the profile's efficiency + bubble + exposed communication + optimizer.
 
-Files (this one holds the public API and the result models; the others are re-exported here):
-  estimate_layout.py    the flat layout of a config, the parameter tensors a rank holds, counts, FLOPs
-  estimate_pipeline.py  stage placement, each rank's schedule order, micro-batches in flight, the bubble
-  estimate_acts.py      activation bytes of one micro-batch, per op and dtype path
-  estimate_states.py    params, gradients, AdamW state and the DDP / ZeRO-1 / FSDP buffers around them
-  estimate_peak.py      the moments of the step and the per-rank peak
-  estimate_comm.py      collectives per step and the step time (CommItem, StepTime)
-  init.py               the init peak (meta-device build, then local shards one parameter at a time)
-  makespan.py           the step's makespan: each rank's schedule order run with per-stage costs, the bubble
-  need.py               what a layout needs per rank (step and init peak), every pipeline rank: what `fits` reads
+Files, in the one direction they compute (each imports only files above it; tests/test_architecture.py checks
+it); this one holds the public API and the result models and re-exports the others:
+  layout.py     Layout, the flat view of a config the arithmetic reads (its fields named as the Config's), the
+                parameter tensors a rank holds, counts, FLOPs
+  states.py     model states: params, gradients, AdamW state and the DDP / ZeRO-1 / FSDP buffers around them
+  acts.py       activation bytes of one micro-batch, per op and dtype path
+  pipeline.py   stage placement, each rank's schedule order, the schedule states (micro-batches in flight)
+  moments.py    what one rank holds at a schedule state (RankView, StateView) and the implementation facts read
+  phases.py     one function per moment of the step (loss / LM-head / block backwards, the optimizer step ...)
+  peak.py       the per-rank peak: the largest moment
+  init.py       the init peak (meta-device build, then local shards one parameter at a time)
+  need.py       what a layout needs per rank (step and init peak), every pipeline rank: what `fits` reads
+  profiles.py   hardware profiles (peak FLOP/s, bandwidths) for the time model
+  makespan.py   the step's makespan: each rank's schedule order run with per-stage costs, the bubble
+  comm.py       collectives per step and the step time (CommItem, StepTime)
 `fits` needs both the step peak and the init peak under the usable budget.
 """
 
@@ -75,13 +80,13 @@ from curry_train.estimator.comm import CP_RING_KERNEL, CommItem, StepTime, _step
 from curry_train.estimator.init import init_peak
 from curry_train.estimator.layout import (
     GiB,
-    _Layout,
-    _layout,
-    _replace,
+    Layout,
     active_params,
     flops_per_token,
     hardware_flops_per_token,
+    layout_of,
     param_count,
+    replace_layout,
     stage_split,
 )
 from curry_train.estimator.need import layout_need, layout_need_every_rank, rank_classes, rank_need
@@ -101,9 +106,9 @@ from curry_train.estimator.profiles import (
 from curry_train.estimator.states import _states
 from curry_train.layout_warnings import layout_warnings
 
-__all__ = [  # the public API; planner.py and the tests also reach into _layout, _replace and _states
+__all__ = [  # the public API; planner.py and the tests also reach into layout_of, replace_layout and _states
     "GPU_NAMES", "CommItem", "Estimate", "GiB", "UnknownGpu", "check_cluster", "resolve_gpu", "with_gpu",
-    "MemoryBreakdown", "Quick", "StepTime", "_layout", "_replace", "_states",
+    "Layout", "MemoryBreakdown", "Quick", "StepTime", "layout_of", "replace_layout", "_states",
     "active_params", "bubble_fraction", "dtype_policy", "estimate", "estimate_memory", "flops_per_token",
     "hardware_flops_per_token", "in_flight", "layout_need", "layout_need_every_rank", "load_any",
     "memory_per_pp_rank", "rank_classes", "rank_need", "model_states", "param_count",
@@ -165,11 +170,11 @@ class Estimate(BaseModel):
 # ----------------------------------------------------------------------------------------------- memory
 
 
-def _breakdown(x: _Layout, pp_rank: int) -> MemoryBreakdown:
+def _breakdown(layout: Layout, pp_rank: int) -> MemoryBreakdown:
     """The peak's moment split into the shared categories: peak.py files working copies with params, DDP buckets
     with grads, the loss gradients and pipeline buffers with other; the pieces it names in `detail` move to their
     own category here."""
-    pk = _peak(x, pp_rank)
+    pk = _peak(layout, pp_rank)
     d = pk.detail
     copies, ppb = d.get("param_copies", 0), d.get("pp_recv_buffers", 0)
     # under gradient_as_bucket_view the .grad tensors are views into DDP's buckets: the buckets *are* the grads
@@ -184,20 +189,20 @@ def _breakdown(x: _Layout, pp_rank: int) -> MemoryBreakdown:
 
 def memory_per_pp_rank(cfg: Config) -> list[MemoryBreakdown]:
     """Peak breakdown of every pipeline rank (rank 0 alone without PP)."""
-    x = _layout(cfg)
-    return [_breakdown(x, r) for r in range(x.pp)]
+    layout = layout_of(cfg)
+    return [_breakdown(layout, r) for r in range(layout.pp)]
 
 
 def reserve_bytes(cfg: Config) -> int:
     """What the estimate keeps free of the budget: on CUDA the context/NCCL workspaces (2 GiB) plus 5% for
     fragmentation; on CPU nothing (the measurement counts live tensor bytes exactly)."""
-    return _reserve(_layout(cfg))
+    return _reserve(layout_of(cfg))
 
 
-def _reserve(x: _Layout) -> int:
-    if x.device == "cpu":
+def _reserve(layout: Layout) -> int:
+    if layout.device == "cpu":
         return 0
-    return int(CUDA_CONTEXT_RESERVE_GIB * GiB + FRAGMENTATION_RESERVE * x.budget_gib * GiB)
+    return int(CUDA_CONTEXT_RESERVE_GIB * GiB + FRAGMENTATION_RESERVE * layout.gpu_memory_gib * GiB)
 
 
 def peak_flops(device_name: str, dtype: str) -> float | None:
@@ -224,10 +229,10 @@ def resolve_hardware(cfg: Config, hardware: str | HardwareProfile | None = None,
 
 
 def dtype_policy(cfg: Config) -> str:
-    x = _layout(cfg)
+    layout = layout_of(cfg)
     mech = {"fp32": "fp32 compute", "autocast": "bf16 compute via torch.autocast (fp32 residual stream, bf16 "
             "copies of each Linear's input and weight saved)", "mp": "bf16 compute via FSDP2 MixedPrecisionPolicy "
-            "(bf16 gathered params and stream, fp32 reduce-scatter)"}[x.path]
+            "(bf16 gathered params and stream, fp32 reduce-scatter)"}[layout.precision]
     return f"fp32 master params, fp32 grads, AdamW fp32 exp_avg + exp_avg_sq (16 B/param); {mech}"
 
 
@@ -259,30 +264,30 @@ def estimate(cfg: Config, *, hardware: str | HardwareProfile | None = None,
     if gpu:
         cfg = with_gpu(cfg, gpu)
         hardware = hardware or get_profile(gpu)
-    x = _layout(cfg)
+    layout = layout_of(cfg)
     hw = resolve_hardware(cfg, hardware, probe)
-    per = [_breakdown(x, r) for r in range(x.pp)]
+    per = [_breakdown(layout, r) for r in range(layout.pp)]
     worst = max(per, key=lambda b: b.total)
-    init = max(init_peak(x, r) for r in range(x.pp))
-    budget = int(x.budget_gib * GiB)
+    init = max(init_peak(layout, r) for r in range(layout.pp))
+    budget = int(layout.gpu_memory_gib * GiB)
     reserve = reserve_bytes(cfg)
     usable = budget - reserve
-    need = layout_need_every_rank(x)  # = max(worst.total, init): what quick_layout and the planner's rows read
-    step, items = _step_time(x, hw)
-    st = _states(x, stage_ids(x, worst.pp_rank))
+    need = layout_need_every_rank(layout)  # = max(worst.total, init): what quick_layout and the planner's rows read
+    step, items = _step_time(layout, hw)
+    st = _states(layout, stage_ids(layout, worst.pp_rank))
     states = st.params + st.grads_full + st.opt
     notes = [
         "peak = max over: loss backward, last/first block backward, optimizer step (steady state, step >= 2)",
-        "MoE routing assumed uniform (EP ranks receive as many rows as they send)" if x.E else "",
+        "MoE routing assumed uniform (EP ranks receive as many rows as they send)" if layout.num_experts else "",
         f"reserve = {CUDA_CONTEXT_RESERVE_GIB} GiB context/NCCL + {int(FRAGMENTATION_RESERVE * 100)}% "
-        "fragmentation" if x.device != "cpu" else "CPU: no reserve (live tensor bytes are measured exactly)",
+        "fragmentation" if layout.device != "cpu" else "CPU: no reserve (live tensor bytes are measured exactly)",
         "FSDP under a pipeline keeps unsharded fp32 grads between micro-batches (the schedule's no-sync)"
-        if x.fsdp and x.pp > 1 else "",
+        if layout.fsdp and layout.pp > 1 else "",
         "pipeline step() keeps every micro-batch's logits on the last stage (return_outputs=True)"
-        if x.pp > 1 and PP_KEEPS_OUTPUTS else "",
+        if layout.pp > 1 and PP_KEEPS_OUTPUTS else "",
         f"CP ring attention: every block a {CP_RING_KERNEL} kernel with LSE (flash on CPU, memory-efficient on "
-        f"CUDA): O(T/cp) memory, its FLOPs at the {ring_attention_dtype(x)} peak" if x.cp > 1 else "",
-        f"pipeline stages {list(stage_split(x))} layers (pipeline_split.py)" if x.pp > 1 else "",
+        f"CUDA): O(T/cp) memory, its FLOPs at the {ring_attention_dtype(layout)} peak" if layout.cp > 1 else "",
+        f"pipeline stages {list(stage_split(layout))} layers (pipeline_split.py)" if layout.pp > 1 else "",
     ]
     return Estimate(memory=worst, per_pp_rank=per, budget_bytes=budget, reserve_bytes=reserve, usable_bytes=usable,
                     fits=need <= usable, headroom_bytes=usable - need, init_peak_bytes=init,
@@ -338,22 +343,22 @@ class Quick:
     mfu: float
 
 
-def quick_layout(x: _Layout, hw: HardwareProfile) -> Quick:
+def quick_layout(layout: Layout, hw: HardwareProfile) -> Quick:
     """The worst pipeline rank's need (need.layout_need: step and init peak, every rank) and the step time."""
-    total = layout_need(x)
-    step, _ = _step_time(x, hw)
-    usable = int(x.budget_gib * GiB) - _reserve(x)
+    total = layout_need(layout)
+    step, _ = _step_time(layout, hw)
+    usable = int(layout.gpu_memory_gib * GiB) - _reserve(layout)
     return Quick(total=total, usable=usable, step_s=step.total_s, comm_fraction=step.comm_fraction, mfu=step.mfu)
 
 
 def quick(cfg: Config, hw: HardwareProfile) -> Quick:
     """quick_layout for a Config."""
-    return quick_layout(_layout(cfg), hw)
+    return quick_layout(layout_of(cfg), hw)
 
 
 def model_states(cfg: Config, pp_rank: int = 0) -> dict[str, int]:
     """Persistent parameter bytes, the gradients the optimizer reads, and AdamW state on one pipeline rank
     (memory.py's `params`, `grads` and `optimizer` categories)."""
-    x = _layout(cfg)
-    st = _states(x, stage_ids(x, pp_rank))
+    layout = layout_of(cfg)
+    st = _states(layout, stage_ids(layout, pp_rank))
     return {"params": st.params, "grads": st.grads_full, "optimizer": st.opt}

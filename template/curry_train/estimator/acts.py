@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from curry_train.config import loss_chunk_count
-from curry_train.estimator.layout import _block_tensors, _Layout
+from curry_train.estimator.layout import Layout, _block_tensors
 
 
 @dataclass
@@ -43,21 +43,21 @@ class _Acts:
 
 
 @lru_cache(maxsize=8192)
-def _acts(x: _Layout) -> _Acts:
-    t, sp = x.tp, x.sp
-    T = x.s // x.cp
-    n = x.b * T  # tokens per micro-batch on this rank
+def _acts(layout: Layout) -> _Acts:
+    t, sp = layout.tp, layout.sp
+    T = layout.seq_len // layout.cp
+    n = layout.micro_batch * T  # tokens per micro-batch on this rank
     nn_ = n // t if sp else n  # tokens in the norm/residual region (SP shards the sequence)
-    D, Dh = x.D, x.Dh
-    Hl, Gl = x.H // t, x.G // t
+    D, Dh = layout.d_model, layout.head_dim
+    Hl, Gl = layout.n_heads // t, layout.n_kv_heads // t
     Dq, Dkv = Hl * Dh, Gl * Dh
-    rep = x.H // x.G
-    Fl = x.F // t
-    Vl = x.V // t
-    path = x.path
+    rep = layout.n_heads // layout.n_kv_heads
+    Fl = layout.d_ff // t
+    Vl = layout.vocab_size // t
+    path = layout.precision
     c = 4 if path == "fp32" else 2  # compute bytes
     r = 2 if path == "mp" else 4  # residual-stream bytes
-    cp_ring = x.cp > 1
+    cp_ring = layout.cp > 1
     # attention core: SDPA saves q, k, v (repeated for GQA), out, lse; ring attention (CP, fused kernels with
     # their LSE: flash on CPU, memory-efficient elsewhere) saves q, the un-repeated k, v, out and the fp32 lse.
     if cp_ring:
@@ -75,24 +75,24 @@ def _acts(x: _Layout) -> _Acts:
     else:  # mp
         norms = nn_ * (4 * 2 * D + 2 * 2 * D + 4 * 2)  # fp32 upcast + bf16 normalised, rsqrt (x2)
         y1, y2 = 2 * n * D, 2 * n * D
-    if x.E:
-        ffn = _moe_saved(x, n, path) + (y2 if path != "autocast" else 0)
-        _, Sk = _moe_slots(x, n)
-        prod = Sk * x.F * c
+    if layout.num_experts:
+        ffn = _moe_saved(layout, n, path) + (y2 if path != "autocast" else 0)
+        _, Sk = _moe_slots(layout, n)
+        prod = Sk * layout.d_ff * c
         # Experts.forward (CPU loop) takes unbind views of the stacked weights: the El [D, F] slice gradients
         # live until UnbindBackward stacks them into one [El, D, F] tensor (both at once: 2 per weight)
-        El = x.E // x.ep
-        ffn_bwd = 2 * El * D * x.F * (2 if path == "mp" else 4) + 3 * (Sk // El) * x.F * c
+        El = layout.num_experts // layout.ep
+        ffn_bwd = 2 * El * D * layout.d_ff * (2 if path == "mp" else 4) + 3 * (Sk // El) * layout.d_ff * c
     else:
         ffn = y2 + n * 4 * Fl * c
         prod = n * Fl * c
         ffn_bwd = 3 * prod
     full = norms + y1 + attn + wo_in + ffn
     stream = nn_ * D * r
-    if x.recompute == "full":
+    if layout.recompute == "full":
         saved = stream
-    elif x.recompute == "selective":
-        mm = n * (Dq + 2 * Dkv + D) * c + (n * (2 * Fl + D) * c if not x.E else _moe_mm(x, n, c))
+    elif layout.recompute == "selective":
+        mm = n * (Dq + 2 * Dkv + D) * c + (n * (2 * Fl + D) * c if not layout.num_experts else _moe_mm(layout, n, c))
         core = n * (Dq * c + Hl * 4)
         rs = 2 * nn_ * D * c if sp else 0
         saved = stream + mm + core + rs
@@ -100,9 +100,9 @@ def _acts(x: _Layout) -> _Acts:
         saved = full
     pcopy = 0
     if path == "autocast":
-        lin = sum(d0 * rest for d0, rest, _, _ in _block_tensors(x) if rest > 1)
-        if x.E:  # the router runs in fp32 (no cast); expert slices are cast one by one, all kept
-            lin -= x.E * D
+        lin = sum(d0 * rest for d0, rest, _, _ in _block_tensors(layout) if rest > 1)
+        if layout.num_experts:  # the router runs in fp32 (no cast); expert slices are cast one by one, all kept
+            lin -= layout.num_experts * D
         pcopy = 2 * lin
     embed = n * 8 + (n * 9 if t > 1 else 0)  # ids; TP's vocab-parallel lookup keeps masked ids and a mask
     if path == "fp32":
@@ -113,18 +113,18 @@ def _acts(x: _Layout) -> _Acts:
         head = nn_ * (4 * D + 2 * D + 4) + 2 * n * D
     # model/gpt.py chunked_lm_loss: k checkpointed chunks of at most nc tokens; only one chunk's logits,
     # log-softmax and their gradients exist at a time (forward keeps a scalar per chunk)
-    k = loss_chunk_count(x.lc, n, x.V, x.D)
+    k = loss_chunk_count(layout.loss_chunks, n, layout.vocab_size, layout.d_model)
     nc = -(-n // k)
     return _Acts(layer_saved=saved, layer_full=full, ffn_saved=ffn, prod=prod, ffn_bwd=ffn_bwd, pcopy_layer=pcopy,
                  pcopy_head=2 * Vl * D if path == "autocast" else 0, embed=embed, head=head, lsm=4 * nc * Vl,
                  targets=n * 8, logits=c * nc * Vl, grad_logits=c * nc * Vl, dy_head=c * n * D,
                  grad_logits_all=c * n * Vl, chunks=k, chunk_targets=nc * 8,
                  rope=2 * T * (Dh // 2) * 4, stream=stream, d_stream=stream,
-                 lin_out_grads=n * (Dq + 2 * Dkv + 2 * D + (2 * Fl if not x.E else 0)) * c,
-                 ring_bwd=_ring_backward(x, n, Dq, Dkv, Hl, c) if cp_ring else 0, post_attn=wo_in + norms // 2)
+                 lin_out_grads=n * (Dq + 2 * Dkv + 2 * D + (2 * Fl if not layout.num_experts else 0)) * c,
+                 ring_bwd=_ring_backward(layout, n, Dq, Dkv, Hl, c) if cp_ring else 0, post_attn=wo_in + norms // 2)
 
 
-def _ring_backward(x: _Layout, n: int, Dq: int, Dkv: int, Hl: int, c: int) -> int:
+def _ring_backward(layout: Layout, n: int, Dq: int, Dkv: int, Hl: int, c: int) -> int:
     """RingAttention.backward (context_parallel.py, fused kernels) on one rank: the incoming gradient made
     contiguous and the fp32 dq [n, Dq]; the K/V stack and the ring's receive buffer [2, n, Dkv] in the compute
     dtype; fp32 dK/dV and its shift buffer; the GQA-repeated K and V [n, Dq] (compute dtype); one block's
@@ -136,28 +136,28 @@ def _ring_backward(x: _Layout, n: int, Dq: int, Dkv: int, Hl: int, c: int) -> in
             + (2 * n * Dq * c if rep > 1 else 0) + 3 * nb * Dq * c + 2 * nb * Dkv * 4)
 
 
-def _moe_slots(x: _Layout, n: int) -> tuple[int, int]:
+def _moe_slots(layout: Layout, n: int) -> tuple[int, int]:
     """(routing slots S = n*K, kept slots) of one micro-batch on this rank (uniform routing)."""
-    S = n * x.K
-    if x.cf > 0:
-        cap = math.ceil(x.cf * n * x.K / x.E)
-        return S, min(S, cap * x.E)
+    S = n * layout.top_k
+    if layout.capacity_factor > 0:
+        cap = math.ceil(layout.capacity_factor * n * layout.top_k / layout.num_experts)
+        return S, min(S, cap * layout.num_experts)
     return S, S
 
 
-def _moe_saved(x: _Layout, n: int, path: str) -> int:
+def _moe_saved(layout: Layout, n: int, path: str) -> int:
     """moe.MoE's saved tensors per micro-batch (measured on torch 2.13 CPU): router probs, top-k ids and
     gates, the dispatched rows [S_kept, D] (and a second [S_kept, D] the combine keeps), every expert's SwiGLU
     intermediates (4 F per kept slot), the combine's rows [S, D] and weights. EP trades rows, it does not
     remove them (uniform routing assumed: each rank receives as many rows as it sends). The router runs in
     fp32 whatever the compute dtype, so under autocast it keeps the fp32 norm output."""
-    S, Sk = _moe_slots(x, n)
-    D, F, E, K = x.D, x.F, x.E, x.K
-    router = n * E * 4 + n * K * (8 + 4 + 4) + n * 4 + (n * E * 4 if x.has_z else 0)
+    S, Sk = _moe_slots(layout, n)
+    D, F, E, K = layout.d_model, layout.d_ff, layout.num_experts, layout.top_k
+    router = n * E * 4 + n * K * (8 + 4 + 4) + n * 4 + (n * E * 4 if layout.has_z_loss else 0)
     idx = 2 * Sk * 8
     c = 4 if path == "fp32" else 2
     rows = 2 * Sk * D * c + Sk * 4 * F * c + S * D * c
-    if x.ep > 1:  # received rows are permuted into expert order and back: index_copy keeps one more [R, D]
+    if layout.ep > 1:  # received rows are permuted into expert order and back: index_copy keeps one more [R, D]
         rows += Sk * D * c
     if path == "autocast":
         rows += Sk * D * c + n * K * c + n * D * 4  # each expert casts its rows twice (w1, w3); fp32 router input
@@ -166,6 +166,6 @@ def _moe_saved(x: _Layout, n: int, path: str) -> int:
     return router + idx + rows
 
 
-def _moe_mm(x: _Layout, n: int, c: int) -> int:
-    _, Sk = _moe_slots(x, n)
-    return n * x.E * 4 + Sk * (2 * x.F + x.D) * c
+def _moe_mm(layout: Layout, n: int, c: int) -> int:
+    _, Sk = _moe_slots(layout, n)
+    return n * layout.num_experts * 4 + Sk * (2 * layout.d_ff + layout.d_model) * c

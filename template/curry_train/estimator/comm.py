@@ -21,8 +21,8 @@ from pydantic import BaseModel, Field
 
 from curry_train.estimator.acts import _acts, _moe_slots
 from curry_train.estimator.layout import (
+    Layout,
     _block_tensors,
-    _Layout,
     attention_flops_per_token,
     flops_per_token,
     hardware_flops_per_token,
@@ -70,9 +70,9 @@ class StepTime(BaseModel):
                                          "(first: + embedding, last: + head and loss).")
 
 
-def _span_link(x: _Layout, group: int, stride: int) -> str:
+def _span_link(layout: Layout, group: int, stride: int) -> str:
     """intra when a group of `group` ranks at `stride` fits in one node (rank = ((pp*dp+dp)*cp+cp)*tp+tp)."""
-    return "intra" if group * stride <= x.gpn else "inter"
+    return "intra" if group * stride <= layout.gpus_per_node else "inter"
 
 
 def _coll_time(hw: HardwareProfile, kind: str, n: int, nbytes: float, calls: int, link: str) -> tuple[float, float]:
@@ -98,14 +98,14 @@ _WINDOW_WORDS = {"bwd_last": "last micro-batch backward", "bwd": "backward", "at
                  "all": "forward+backward", None: "none"}
 
 
-def _comm(x: _Layout, hw: HardwareProfile, t_compute: float) -> list[CommItem]:
+def _comm(layout: Layout, hw: HardwareProfile, t_compute: float) -> list[CommItem]:
     """Collectives per optimizer step on the pipeline rank holding the first stage; `t_compute` is its busy
     compute per step (the overlap budget)."""
     # entries: (item fields, window, share of it on the critical path regardless of overlap)
     entries: list[tuple[dict, str | None, float]] = []
-    a = _acts(x)
-    st = _states(x, stage_ids(x, 0))
-    m = x.m
+    a = _acts(layout)
+    st = _states(layout, stage_ids(layout, 0))
+    m = layout.n_micro_batches
 
     def add(prim: str, kind: str, n: int, nbytes: float, calls: int, link: str, window: str | None,
             critical: float = 0.0) -> None:
@@ -115,80 +115,82 @@ def _comm(x: _Layout, hw: HardwareProfile, t_compute: float) -> list[CommItem]:
         entries.append((dict(primitive=prim, collective=kind, group_size=n, calls=calls, bytes=int(nbytes),
                              wire_bytes=int(wire), link=link, time_s=tm), window, critical))
 
-    dp_link = _span_link(x, x.dpcp, x.tp)
-    layers = max(rank_layers(x, stage_ids(x, r)) for r in range(x.pp))  # the busiest pipeline rank
-    if x.ddp:
+    dp_link = _span_link(layout, layout.dpcp, layout.tp)
+    layers = max(rank_layers(layout, stage_ids(layout, r)) for r in range(layout.pp))  # the busiest pipeline rank
+    if layout.ddp:
         nbytes = st.ddp_buckets
         calls = max(1, math.ceil(max(nbytes - FIRST_BUCKET_BYTES, 0) / BUCKET_BYTES) + 1)
         # DDP syncs only on the last micro-batch (no_sync before): its buckets overlap that backward
-        add("dp", "all_reduce", x.dpcp, nbytes, calls, dp_link, "bwd_last")
-        if x.E and x.ep > 1:
-            add("ep", "all_reduce", (x.dp // x.ep) * x.cp, 4 * (st.n_local - st.ddp_buckets // 4), 1,
+        add("dp", "all_reduce", layout.dpcp, nbytes, calls, dp_link, "bwd_last")
+        if layout.num_experts and layout.ep > 1:
+            add("ep", "all_reduce", (layout.dp // layout.ep) * layout.cp, 4 * (st.n_local - st.ddp_buckets // 4), 1,
                 dp_link, None)
-        if x.zero == 1:  # ZeroRedundancyOptimizer broadcasts every parameter from its owner after the step
-            n_tensors = len(_block_tensors(x)) * layers + 3
-            add("zero1", "broadcast", x.dpcp, 4 * st.n_local, n_tensors, dp_link, None)
-    if x.fsdp:
-        _fsdp(x, st.all_units, layers, add)
-    if x.tp > 1:
+        if layout.zero == 1:  # ZeroRedundancyOptimizer broadcasts every parameter from its owner after the step
+            n_tensors = len(_block_tensors(layout)) * layers + 3
+            add("zero1", "broadcast", layout.dpcp, 4 * st.n_local, n_tensors, dp_link, None)
+    if layout.fsdp:
+        _fsdp(layout, st.all_units, layers, add)
+    if layout.tp > 1:
         # tensor_parallel.py: one `f` (identity / all-gather under SP) and one `g` (all-reduce / reduce-scatter)
         # per attention and per MLP sub-block, forward and backward: 4 all-reduces of [b, T, D] per layer per
         # micro-batch, or 4 all-gathers + 4 reduce-scatters under SP (same bytes). Recompute replays the
         # forward ones (selective keeps SP's reduce-scatter outputs, so only its all-gathers replay).
-        nb = x.b * (x.s // x.cp) * x.D * (2 if x.path != "fp32" else 4)
-        per_layer = 4 + (2 if x.recompute == "full" else 0)
-        if x.sp:
-            ag = per_layer + (1 if x.recompute == "selective" else 0) * 2
-            add("tp", "all_gather", x.tp, nb * ag * layers * m, ag * layers * m, "intra", None)
-            add("tp", "reduce_scatter", x.tp, nb * per_layer * layers * m, per_layer * layers * m, "intra", None)
+        nb = layout.micro_batch_tokens * layout.d_model * (2 if layout.precision != "fp32" else 4)
+        per_layer = 4 + (2 if layout.recompute == "full" else 0)
+        if layout.sp:
+            ag = per_layer + (1 if layout.recompute == "selective" else 0) * 2
+            add("tp", "all_gather", layout.tp, nb * ag * layers * m, ag * layers * m, "intra", None)
+            add("tp", "reduce_scatter", layout.tp, nb * per_layer * layers * m, per_layer * layers * m, "intra", None)
         else:
-            add("tp", "all_reduce", x.tp, nb * per_layer * layers * m, per_layer * layers * m, "intra", None)
-    if x.pp > 1:
+            add("tp", "all_reduce", layout.tp, nb * per_layer * layers * m, per_layer * layers * m, "intra", None)
+    if layout.pp > 1:
         # one activation forward and one gradient backward per micro-batch per chunk boundary; only the fill
         # and drain hops (2 (p - 1)) sit on the critical path, the rest overlap the other stages' compute
-        link = "intra" if x.dp * x.cp * x.tp * 2 <= x.gpn else "inter"
-        hops = 2 * m * x.v
-        add("pp", "p2p", 2, a.stream * hops, hops, link, "all", critical=min(1.0, 2 * (x.pp - 1) / hops))
-    if x.cp > 1:
-        cb = 2 if x.path != "fp32" else 4
-        kv = 2 * x.b * (x.G // x.tp) * (x.s // x.cp) * x.Dh
-        fwd = (x.cp - 1) * kv * cb
-        bwd = (x.cp - 1) * kv * cb + x.cp * kv * 4  # K/V again + the fp32 dK/dV shifts
-        add("cp", "p2p", x.cp, (fwd + bwd) * layers * m, (3 * x.cp - 2) * layers * m, _span_link(x, x.cp, x.tp),
-            "attn")
-    if x.E and x.ep > 1:
-        n = x.b * x.s // x.cp
-        _, Sk = _moe_slots(x, n)
-        cb = 2 if x.path != "fp32" else 4
-        nbytes = 4 * Sk * x.D * cb * layers * m  # dispatch + combine, forward and backward
-        add("ep", "all_to_all", x.ep, nbytes, 4 * layers * m, _span_link(x, x.ep, x.cp * x.tp), None)
+        link = "intra" if layout.dp * layout.cp * layout.tp * 2 <= layout.gpus_per_node else "inter"
+        hops = 2 * m * layout.pp_virtual
+        add("pp", "p2p", 2, a.stream * hops, hops, link, "all", critical=min(1.0, 2 * (layout.pp - 1) / hops))
+    if layout.cp > 1:
+        cb = 2 if layout.precision != "fp32" else 4
+        kv = 2 * layout.micro_batch * (layout.n_kv_heads // layout.tp) * (layout.seq_len // layout.cp) * \
+            layout.head_dim
+        fwd = (layout.cp - 1) * kv * cb
+        bwd = (layout.cp - 1) * kv * cb + layout.cp * kv * 4  # K/V again + the fp32 dK/dV shifts
+        add("cp", "p2p", layout.cp, (fwd + bwd) * layers * m, (3 * layout.cp - 2) * layers * m,
+            _span_link(layout, layout.cp, layout.tp), "attn")
+    if layout.num_experts and layout.ep > 1:
+        n = layout.micro_batch * layout.seq_len // layout.cp
+        _, Sk = _moe_slots(layout, n)
+        cb = 2 if layout.precision != "fp32" else 4
+        nbytes = 4 * Sk * layout.d_model * cb * layers * m  # dispatch + combine, forward and backward
+        add("ep", "all_to_all", layout.ep, nbytes, 4 * layers * m,
+            _span_link(layout, layout.ep, layout.cp * layout.tp), None)
     return _expose(entries, t_compute, m)
 
 
-def _fsdp(x: _Layout, units: int, layers: int, add) -> None:
+def _fsdp(layout: Layout, units: int, layers: int, add) -> None:
     """FSDP2 (zero 2/3) and HSDP collectives. Without PP the template reduce-scatters every micro-step
     (parallelize._grad_sync_fn) and FSDP re-gathers per micro-batch: zero 3 in forward and again in backward
     (reshard_after_forward), zero 2 once. Under PP, torch's schedule keeps the unit gathered after each backward
     but the last (set_reshard_after_backward) and reduce-scatters once: zero 3 re-gathers for each backward
     (m + 1 in all), zero 2 gathers once. HSDP (dp_replicate r > 1): the shard group is dp*cp / r ranks; the
     reduced shard is then all-reduced across the r replicas."""
-    m, cb = x.m, (2 if x.path == "mp" else 4)
-    r = x.dpr if x.dpr > 1 and x.dpcp % x.dpr == 0 else 1
-    shard = x.dpcp // r
-    link = _span_link(x, shard, x.tp)
+    m, cb = layout.n_micro_batches, (2 if layout.precision == "mp" else 4)
+    r = layout.dp_replicate if layout.dp_replicate > 1 and layout.dpcp % layout.dp_replicate == 0 else 1
+    shard = layout.dpcp // r
+    link = _span_link(layout, shard, layout.tp)
     n_units = layers + 1
-    if x.pp > 1:
-        gathers, ag_window = (m + 1, "all") if x.zero == 3 else (1, "bwd_last")
+    if layout.pp > 1:
+        gathers, ag_window = (m + 1, "all") if layout.zero == 3 else (1, "bwd_last")
         syncs, rs_window = 1, "bwd_last"
     else:
-        gathers, ag_window = (2 if x.zero == 3 else 1) * m, "all"
+        gathers, ag_window = (2 if layout.zero == 3 else 1) * m, "all"
         syncs, rs_window = m, "bwd"
     # the shard group's collectives are FSDP's own; HSDP adds the replica all-reduce
     add("fsdp", "all_gather", shard, units * gathers, n_units * gathers, link, ag_window)
     add("fsdp", "reduce_scatter", shard, 4 * units // cb * syncs, n_units * syncs, link, rs_window)
     if r > 1:
         add("hsdp", "all_reduce", r, 4 * units // cb // shard * syncs, n_units * syncs,
-            _span_link(x, r, shard * x.tp), rs_window)
+            _span_link(layout, r, shard * layout.tp), rs_window)
 
 
 def _expose(entries: list[tuple[dict, str | None, float]], t_compute: float, m: int) -> list[CommItem]:
@@ -224,69 +226,70 @@ CP_RING_KERNEL = "fused_sdpa"
 CP_RING_KERNEL_DTYPE = "compute"
 
 
-def ring_attention_dtype(x: _Layout) -> str:
+def ring_attention_dtype(layout: Layout) -> str:
     """The dtype whose peak prices CP's ring attention (CP_RING_KERNEL_DTYPE: the compute dtype, or fp32)."""
-    return x.dtype if CP_RING_KERNEL_DTYPE == "compute" else "float32"
+    return layout.dtype if CP_RING_KERNEL_DTYPE == "compute" else "float32"
 
 
-def _stage_costs(x: _Layout, hw: HardwareProfile) -> tuple[float, float, float]:
+def _stage_costs(layout: Layout, hw: HardwareProfile) -> tuple[float, float, float]:
     """Busy seconds per step of this rank's dp x cp x tp share of (all blocks, LM head + loss, embedding).
     Blocks: executed FLOPs at the profile's efficiency, CP's ring attention at the peak of the dtype its kernel
     runs in (ring_attention_dtype). The last stage's head: its GEMMs plus the loss (log_softmax forward +
     backward: ~4 fp32 passes over [tokens, V/tp], memory-bound). The first stage's embedding: its dense
     [V/tp, D] fp32 gradient (zero-fill + index-add per micro-batch, memory-bound)."""
-    tokens = x.gb * x.s / (x.dp * x.cp)  # this rank's tokens per step
-    peak = hw.peak_flops(x.dtype)
-    head_tok = 6.0 * x.V * x.D
-    block_flops = tokens * (hardware_flops_per_token(x) - head_tok) / x.tp
-    attn = tokens * attention_flops_per_token(x) / x.tp if x.cp > 1 else 0.0
+    tokens = layout.global_batch * layout.seq_len / (layout.dp * layout.cp)  # this rank's tokens per step
+    peak = hw.peak_flops(layout.dtype)
+    head_tok = 6.0 * layout.vocab_size * layout.d_model
+    block_flops = tokens * (hardware_flops_per_token(layout) - head_tok) / layout.tp
+    attn = tokens * attention_flops_per_token(layout) / layout.tp if layout.cp > 1 else 0.0
     blocks = (block_flops - attn) / (peak * hw.efficiency) + \
-        attn / (hw.peak_flops(ring_attention_dtype(x)) * hw.efficiency)
+        attn / (hw.peak_flops(ring_attention_dtype(layout)) * hw.efficiency)
     bw = hw.mem_bw_gbps * 1e9
-    head = tokens * head_tok / x.tp / (peak * hw.efficiency) + tokens * 16.0 * x.V / x.tp / bw
-    embed = x.m * 8.0 * x.V * x.D / x.tp / bw
+    head = tokens * head_tok / layout.tp / (peak * hw.efficiency) + tokens * 16.0 * layout.vocab_size / layout.tp / bw
+    embed = layout.n_micro_batches * 8.0 * layout.vocab_size * layout.d_model / layout.tp / bw
     return blocks, head, embed
 
 
-def _pipeline(x: _Layout, hw: HardwareProfile) -> tuple[float, list[float]]:
+def _pipeline(layout: Layout, hw: HardwareProfile) -> tuple[float, list[float]]:
     """(makespan, busy compute per pipeline rank) of one step. The schedule is paced by its busiest rank (the
     one with the head, or with embedding and head under ZBV's V placement), and idles the schedule's bubble
     (`bubble_ratio`: its simulated action order with equal stages) times the average rank's work:
     makespan = max(W_r) + bubble x mean(W_r); with equal stages it is the simulation's own makespan."""
-    blocks, head, embed = _stage_costs(x, hw)
-    if x.pp == 1:
+    blocks, head, embed = _stage_costs(layout, hw)
+    if layout.pp == 1:
         return blocks + head + embed, [blocks + head + embed]
-    layers, first, last = _rank_layers(x)
-    busy = [blocks * n / x.L for n in layers]
+    layers, first, last = _rank_layers(layout)
+    busy = [blocks * n / layout.n_layers for n in layers]
     busy[first] += embed
     busy[last] += head
-    return max(busy) + bubble_ratio(x) * sum(busy) / x.pp, busy
+    return max(busy) + bubble_ratio(layout) * sum(busy) / layout.pp, busy
 
 
-def _rank_layers(x: _Layout) -> tuple[tuple[int, ...], int, int]:
+def _rank_layers(layout: Layout) -> tuple[tuple[int, ...], int, int]:
     """(layers each pipeline rank holds under the template's own split (pipeline_split, possibly uneven), the
     rank with stage 0, the rank with the last stage)."""
-    n_stages = x.pp * x.v
-    ids = [stage_ids(x, r) for r in range(x.pp)]
-    layers = tuple(rank_layers(x, st) for st in ids)
+    n_stages = layout.pp * layout.pp_virtual
+    ids = [stage_ids(layout, r) for r in range(layout.pp)]
+    layers = tuple(rank_layers(layout, st) for st in ids)
     return layers, next(r for r, st in enumerate(ids) if 0 in st), \
         next(r for r, st in enumerate(ids) if n_stages - 1 in st)
 
 
-def _step_time(x: _Layout, hw: HardwareProfile) -> tuple[StepTime, list[CommItem]]:
-    tokens_step = x.gb * x.s
-    peak = hw.peak_flops(x.dtype)
-    span, busy = _pipeline(x, hw)
+def _step_time(layout: Layout, hw: HardwareProfile) -> tuple[StepTime, list[CommItem]]:
+    tokens_step = layout.global_batch * layout.seq_len
+    peak = hw.peak_flops(layout.dtype)
+    span, busy = _pipeline(layout, hw)
     t_compute = max(busy)
     bubble = max(0.0, span - t_compute)
-    items = _comm(x, hw, busy[0])
+    items = _comm(layout, hw, busy[0])
     exposed = sum(i.exposed_s for i in items)
-    st = _states(x, stage_ids(x, 0))
-    t_opt = 28.0 * st.n_stored / (hw.mem_bw_gbps * 1e9) / (x.dpcp if shards_optimizer_only(x.dp, x.cp, x.zero) else 1)
+    st = _states(layout, stage_ids(layout, 0))
+    owners = layout.dpcp if shards_optimizer_only(layout.dp, layout.cp, layout.zero) else 1
+    t_opt = 28.0 * st.n_stored / (hw.mem_bw_gbps * 1e9) / owners
     total = span + exposed + t_opt
-    model_flops = tokens_step * flops_per_token(x)
-    mfu = model_flops / (total * x.world * peak) if total > 0 else 0.0
+    model_flops = tokens_step * flops_per_token(layout)
+    mfu = model_flops / (total * layout.world * peak) if total > 0 else 0.0
     frac = exposed / total if total > 0 else 0.0
     return StepTime(compute_s=t_compute, bubble_s=bubble, comm_exposed_s=exposed, optimizer_s=t_opt, total_s=total,
                     tokens_per_s=tokens_step / total if total > 0 else 0.0, mfu=mfu, comm_fraction=frac,
-                    comm_bound=frac > 0.5, stage_compute_s=busy if x.pp > 1 else []), items
+                    comm_bound=frac > 0.5, stage_compute_s=busy if layout.pp > 1 else []), items

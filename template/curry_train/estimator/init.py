@@ -17,28 +17,28 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from curry_train.estimator.layout import _block_tensors, _Layout, _root_tensors, _Tensor
+from curry_train.estimator.layout import Layout, _block_tensors, _root_tensors, _Tensor
 from curry_train.estimator.pipeline import stage_ids
 from curry_train.estimator.states import _states
 
 
 @lru_cache(maxsize=4096)
-def init_peak(x: _Layout, pp_rank: int = 0) -> int:
+def init_peak(layout: Layout, pp_rank: int = 0) -> int:
     """Peak bytes of one pipeline rank while it initialises (see the module docstring)."""
-    stages = stage_ids(x, pp_rank)
-    st = _states(x, stages)
-    n_stages = x.pp * x.v
-    tensors = _block_tensors(x) + _root_tensors(x, 0 in stages, n_stages - 1 in stages)
-    edp = (x.dp // x.ep) * x.cp
-    dtensor = x.fsdp or x.tp > 1
+    stages = stage_ids(layout, pp_rank)
+    st = _states(layout, stages)
+    n_stages = layout.pp * layout.pp_virtual
+    tensors = _block_tensors(layout) + _root_tensors(layout, 0 in stages, n_stages - 1 in stages)
+    edp = (layout.dp // layout.ep) * layout.cp
+    dtensor = layout.fsdp or layout.tp > 1
 
     def chunk(tn: _Tensor) -> int:
         d0, r, _, kind = tn
-        if x.fsdp:
-            group = edp if (kind == "expert" and x.ep > 1) else x.shard
+        if layout.fsdp:
+            group = edp if (kind == "expert" and layout.ep > 1) else layout.shard
             return -(-d0 // group) * r
         return d0 * r if dtensor else 0
 
     largest = max(4 * (tn[2] + chunk(tn)) for tn in tensors)
-    rope = 2 * x.s * (x.Dh // 2) * 4 * len(stages)
+    rope = 2 * layout.seq_len * (layout.head_dim // 2) * 4 * len(stages)
     return max(st.params + largest + rope, st.params + st.ddp_buckets + rope)

@@ -4,8 +4,9 @@ FLOPs (part of curry_train.estimator; pure arithmetic, no torch).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from typing import Any
 
 from curry_train.config import Config, loss_chunk_count
@@ -16,74 +17,74 @@ GiB = 2**30
 
 
 @dataclass(frozen=True)
-class _Layout:
+class Layout:
     """Everything the arithmetic needs, flattened from a Config (hashable for the caches)."""
 
-    V: int
-    D: int
-    L: int
-    H: int
-    G: int
-    F: int
-    E: int
-    K: int
-    cf: float
-    s: int
-    gb: int
-    b: int
+    vocab_size: int
+    d_model: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    d_ff: int
+    num_experts: int
+    top_k: int
+    capacity_factor: float
+    seq_len: int
+    global_batch: int
+    micro_batch: int
     dp: int
     zero: int
     recompute: str
     tp: int
     sp: bool
     pp: int
-    schedule: str
-    v: int
+    pp_schedule: str
+    pp_virtual: int
     ep: int
     cp: int
     dtype: str
     device: str
-    gpn: int
+    gpus_per_node: int
     nodes: int
-    budget_gib: float
-    has_z: bool
-    has_aux: bool
+    gpu_memory_gib: float
+    has_z_loss: bool  # model.z_loss_coef > 0
+    has_aux_loss: bool  # model.aux_loss_coef > 0
     pp_layers: tuple[int, ...] | None = None  # parallel.pp_layers (explicit stage split), else split by cost
-    dpr: int = 1  # HSDP replicas (parallel.dp_replicate): FSDP shards over dpcp / dpr ranks
-    lc: int = 0  # train.loss_chunks (0 = auto): the LM head + loss in token chunks (config.loss_chunk_count)
+    dp_replicate: int = 1  # HSDP replicas (parallel.dp_replicate): FSDP shards over dpcp / dp_replicate ranks
+    loss_chunks: int = 0  # train.loss_chunks (0 = auto): the LM head + loss in token chunks (config.loss_chunk_count)
 
-    @property
+    @cached_property  # (read in the planner's hot loops; the fields are frozen)
     def shard(self) -> int:
         """Ranks a dense parameter is FSDP-sharded over: dp*cp, or dp*cp/dp_replicate under HSDP."""
-        return self.dpcp // self.dpr
+        return self.dpcp // self.dp_replicate
 
     @property
-    def dp_replicate(self) -> int:
-        """HSDP replica groups (parallel.dp_replicate); dp*cp = dp_replicate x the FSDP shard group."""
-        return self.dpr
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
 
     @property
-    def Dh(self) -> int:
-        return self.D // self.H
+    def n_micro_batches(self) -> int:
+        return self.global_batch // (self.dp * self.micro_batch)
 
     @property
-    def m(self) -> int:
-        return self.gb // (self.dp * self.b)
+    def micro_batch_tokens(self) -> int:
+        """Tokens of one micro-batch on this rank: micro_batch x seq_len / cp."""
+        return self.micro_batch * (self.seq_len // self.cp)
 
     @property
     def dpcp(self) -> int:
         return self.dp * self.cp
 
-    @property
+    @cached_property  # (read in the planner's hot loops; the fields are frozen)
     def fsdp(self) -> bool:
         return data_parallel_wrapper(self.dp, self.cp, self.zero) == "fsdp"  # the template's rule, wrapping.py
 
-    @property
+    @cached_property  # (read in the planner's hot loops; the fields are frozen)
     def ddp(self) -> bool:
         return data_parallel_wrapper(self.dp, self.cp, self.zero) == "ddp"
 
-    @property
-    def path(self) -> str:
+    @cached_property  # (read in the planner's hot loops; the fields are frozen)
+    def precision(self) -> str:
         """fp32 | autocast | mp: which mixed-precision mechanism computes the model."""
         if self.dtype == "float32":
             return "fp32"
@@ -94,24 +95,28 @@ class _Layout:
         return self.dp * self.tp * self.pp * self.cp
 
 
-def _layout(cfg: Config) -> _Layout:
+def layout_of(cfg: Config) -> Layout:
     m, t, p, h = cfg.model, cfg.train, cfg.parallel, cfg.hardware
     device = h.device if h.device != "auto" else "cuda"
-    return _Layout(V=m.vocab_size, D=m.d_model, L=m.n_layers, H=m.n_heads, G=m.n_kv_heads, F=m.d_ff,
-                   E=m.num_experts, K=m.top_k, cf=m.capacity_factor, s=t.seq_len, gb=t.global_batch,
-                   b=t.micro_batch, dp=p.dp, zero=p.zero, recompute=p.recompute, tp=p.tp, sp=p.sp, pp=p.pp,
-                   schedule=p.pp_schedule, v=p.pp_virtual, ep=p.ep, cp=p.cp, dtype=t.dtype, device=device,
-                   gpn=h.gpus_per_node, nodes=h.nodes, budget_gib=h.gpu_memory_gib,
-                   has_z=m.z_loss_coef > 0, has_aux=m.aux_loss_coef > 0,
-                   pp_layers=tuple(p.pp_layers) if p.pp_layers else None, dpr=p.dp_replicate, lc=t.loss_chunks)
+    return Layout(vocab_size=m.vocab_size, d_model=m.d_model, n_layers=m.n_layers, n_heads=m.n_heads,
+                   n_kv_heads=m.n_kv_heads, d_ff=m.d_ff, num_experts=m.num_experts, top_k=m.top_k,
+                   capacity_factor=m.capacity_factor, seq_len=t.seq_len, global_batch=t.global_batch,
+                   micro_batch=t.micro_batch, dp=p.dp, zero=p.zero, recompute=p.recompute, tp=p.tp, sp=p.sp,
+                   pp=p.pp, pp_schedule=p.pp_schedule, pp_virtual=p.pp_virtual, ep=p.ep, cp=p.cp, dtype=t.dtype,
+                   device=device, gpus_per_node=h.gpus_per_node, nodes=h.nodes, gpu_memory_gib=h.gpu_memory_gib,
+                   has_z_loss=m.z_loss_coef > 0, has_aux_loss=m.aux_loss_coef > 0,
+                   pp_layers=tuple(p.pp_layers) if p.pp_layers else None, dp_replicate=p.dp_replicate,
+                   loss_chunks=t.loss_chunks)
 
 
-def stage_split(x: _Layout) -> tuple[int, ...]:
+def stage_split(layout: Layout) -> tuple[int, ...]:
     """Layers per pipeline stage: pipeline_split.layers_per_stage, the function parallel/pipeline.py builds the
     stages with. A pp_layers list that no longer fits the stage count (the planner varying pp) is dropped."""
-    n_stages = x.pp * x.v
-    explicit = x.pp_layers if x.pp_layers and len(x.pp_layers) == n_stages and sum(x.pp_layers) == x.L else None
-    return _split(x.L, x.pp, x.v, explicit, x.D, x.H, x.G, x.F, x.V, x.s, x.E, x.K)
+    n_stages = layout.pp * layout.pp_virtual
+    given = layout.pp_layers
+    explicit = given if given and len(given) == n_stages and sum(given) == layout.n_layers else None
+    return _split(layout.n_layers, layout.pp, layout.pp_virtual, explicit, layout.d_model, layout.n_heads,
+                  layout.n_kv_heads, layout.d_ff, layout.vocab_size, layout.seq_len, layout.num_experts, layout.top_k)
 
 
 @lru_cache(maxsize=4096)
@@ -122,9 +127,9 @@ def _split(L: int, pp: int, v: int, explicit: tuple[int, ...] | None, D: int, H:
                             n_kv_heads=G, d_ff=F, vocab_size=V, seq_len=s, num_experts=E, top_k=K)
 
 
-def rank_layers(x: _Layout, stages: list[int] | tuple[int, ...]) -> int:
+def rank_layers(layout: Layout, stages: list[int] | tuple[int, ...]) -> int:
     """Transformer layers a pipeline rank holding `stages` runs."""
-    split = stage_split(x)
+    split = stage_split(layout)
     return sum(split[s] for s in stages)
 
 
@@ -133,80 +138,80 @@ def rank_layers(x: _Layout, stages: list[int] | tuple[int, ...]) -> int:
 _Tensor = tuple[int, int, int, str]
 
 
-def _block_tensors(x: _Layout) -> list[_Tensor]:
+def _block_tensors(layout: Layout) -> list[_Tensor]:
     """A transformer block's parameters, TP-local (colwise: dim 0 / tp; rowwise: dim 1 / tp)."""
-    D, t, Dh = x.D, x.tp, x.Dh
-    q, kv = x.H * Dh, x.G * Dh
+    D, t, Dh = layout.d_model, layout.tp, layout.head_dim
+    q, kv = layout.n_heads * Dh, layout.n_kv_heads * Dh
     out: list[_Tensor] = [(D, 1, D, "dense"), (q // t, D, q * D, "dense"), (kv // t, D, kv * D, "dense"),
                           (kv // t, D, kv * D, "dense"), (D, q // t, D * q, "dense"), (D, 1, D, "dense")]
-    if x.E:
-        El = x.E // x.ep
-        out.append((x.E, D, x.E * D, "dense"))  # router gate [E, D], replicated over tp
-        kind = "expert" if x.ep > 1 else "dense"
-        out += [(El, D * x.F, x.E * D * x.F, kind)] * 3  # w1, w3 [El, D, F]; w2 [El, F, D]
+    if layout.num_experts:
+        E, F = layout.num_experts, layout.d_ff
+        El = E // layout.ep
+        out.append((E, D, E * D, "dense"))  # router gate [E, D], replicated over tp
+        kind = "expert" if layout.ep > 1 else "dense"
+        out += [(El, D * F, E * D * F, kind)] * 3  # w1, w3 [El, D, F]; w2 [El, F, D]
     else:
-        Fl = x.F // t
-        out += [(Fl, D, x.F * D, "dense"), (Fl, D, x.F * D, "dense"), (D, Fl, D * x.F, "dense")]
+        F = layout.d_ff
+        Fl = F // t
+        out += [(Fl, D, F * D, "dense"), (Fl, D, F * D, "dense"), (D, Fl, D * F, "dense")]
     return out
 
 
-def _root_tensors(x: _Layout, embed: bool, head: bool) -> list[_Tensor]:
+def _root_tensors(layout: Layout, embed: bool, head: bool) -> list[_Tensor]:
+    V, D = layout.vocab_size, layout.d_model
     out: list[_Tensor] = []
     if embed:
-        out.append((x.V // x.tp, x.D, x.V * x.D, "dense"))
+        out.append((V // layout.tp, D, V * D, "dense"))
     if head:
-        out += [(x.D, 1, x.D, "dense"), (x.V // x.tp, x.D, x.V * x.D, "dense")]
+        out += [(D, 1, D, "dense"), (V // layout.tp, D, V * D, "dense")]
     return out
 
 
 def param_count(cfg: Config) -> int:
     """Parameters of the whole model (model.py's module structure: untied head, separate q/k/v, router)."""
-    x = _layout(cfg)
-    blk = sum(g for _, _, g, _ in _block_tensors(_replace(x, tp=1, ep=1)))
-    return x.L * blk + 2 * x.V * x.D + x.D
+    layout = layout_of(cfg)
+    blk = sum(g for _, _, g, _ in _block_tensors(replace_layout(layout, tp=1, ep=1)))
+    return layout.n_layers * blk + 2 * layout.vocab_size * layout.d_model + layout.d_model
 
 
-def _replace(x: _Layout, **kw: Any) -> _Layout:
-    d = {f: getattr(x, f) for f in x.__dataclass_fields__}
-    if "dp_replicate" in kw:  # the config's name for the field
-        kw["dpr"] = kw.pop("dp_replicate")
-    d.update(kw)
-    return _Layout(**d)
+def replace_layout(layout: Layout, **fields: Any) -> Layout:
+    """The layout with some fields changed (the planner's candidates)."""
+    return dataclasses.replace(layout, **fields)
 
 
-def active_params(cfg: Config | _Layout) -> int:
+def active_params(cfg: Config | Layout) -> int:
     """Matmul parameters one token passes through: attention, the FFN (MoE: router + top-k experts), the head.
     The embedding is a lookup, not a matmul."""
-    x = cfg if isinstance(cfg, _Layout) else _layout(cfg)
-    D, Dh = x.D, x.Dh
-    attn = D * x.H * Dh * 2 + D * x.G * Dh * 2
-    ffn = (x.E * D + x.K * 3 * D * x.F) if x.E else 3 * D * x.F
-    return x.L * (attn + ffn) + x.V * D
+    layout = cfg if isinstance(cfg, Layout) else layout_of(cfg)
+    D, Dh = layout.d_model, layout.head_dim
+    attn = D * layout.n_heads * Dh * 2 + D * layout.n_kv_heads * Dh * 2
+    ffn = (layout.num_experts * D + layout.top_k * 3 * D * layout.d_ff) if layout.num_experts else 3 * D * layout.d_ff
+    return layout.n_layers * (attn + ffn) + layout.vocab_size * D
 
 
-def flops_per_token(cfg: Config | _Layout) -> float:
+def flops_per_token(cfg: Config | Layout) -> float:
     """Model FLOPs per token for forward + backward, PaLM convention (Chowdhery et al. 2022, App. B):
     6 N_active + 12 L H Dh s, attention counted without the causal half (as torchtitan and PaLM MFU do)."""
-    x = cfg if isinstance(cfg, _Layout) else _layout(cfg)
-    return 6.0 * active_params(x) + 12.0 * x.L * x.H * x.Dh * x.s
+    layout = cfg if isinstance(cfg, Layout) else layout_of(cfg)
+    return 6.0 * active_params(layout) + 12.0 * layout.n_layers * layout.n_heads * layout.head_dim * layout.seq_len
 
 
-def hardware_flops_per_token(cfg: Config | _Layout) -> float:
+def hardware_flops_per_token(cfg: Config | Layout) -> float:
     """FLOPs the kernels execute: causal attention does half the QK^T and PV work; full recompute reruns each
     block's forward (+1/3 of the block FLOPs), selective reruns only the cheap element-wise ops; a chunked loss
     reruns the LM head's forward in backward (model/gpt.py chunked_lm_loss: +2VD, +1/3 of the head FLOPs)."""
-    x = cfg if isinstance(cfg, _Layout) else _layout(cfg)
-    linears = 6.0 * (active_params(x) - x.V * x.D)
-    head = 6.0 * x.V * x.D
-    if loss_chunk_count(x.lc, x.b * (x.s // x.cp), x.V, x.D) > 1:
-        head += 2.0 * x.V * x.D
-    if x.recompute == "full":
+    layout = cfg if isinstance(cfg, Layout) else layout_of(cfg)
+    linears = 6.0 * (active_params(layout) - layout.vocab_size * layout.d_model)
+    head = 6.0 * layout.vocab_size * layout.d_model
+    if loss_chunk_count(layout.loss_chunks, layout.micro_batch_tokens, layout.vocab_size, layout.d_model) > 1:
+        head += 2.0 * layout.vocab_size * layout.d_model
+    if layout.recompute == "full":
         linears *= 4.0 / 3.0
-    return linears + attention_flops_per_token(x) + head
+    return linears + attention_flops_per_token(layout) + head
 
 
-def attention_flops_per_token(x: _Layout) -> float:
+def attention_flops_per_token(layout: Layout) -> float:
     """The core attention's share of hardware_flops_per_token: QK^T and PV forward + backward at the causal half
     (6 L H Dh s), a full recompute rerunning their forward (x 4/3). Under CP this is what the ring's kernel runs."""
-    attn = 6.0 * x.L * x.H * x.Dh * x.s
-    return attn * 4.0 / 3.0 if x.recompute == "full" else attn
+    attn = 6.0 * layout.n_layers * layout.n_heads * layout.head_dim * layout.seq_len
+    return attn * 4.0 / 3.0 if layout.recompute == "full" else attn

@@ -6,21 +6,21 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from curry_train.estimator.layout import _Layout
+from curry_train.estimator.layout import Layout
 from curry_train.estimator.pipeline import _actions, _PipeKey, stage_ids
 
 
-def _numbered(x: _Layout, rank: int) -> list[tuple[str, int, int]]:
+def _numbered(layout: Layout, rank: int) -> list[tuple[str, int, int]]:
     """_actions with global stage ids and micro-batch numbers: every schedule runs a stage's micro-batches in
     order, so the n-th F (B, I, W) of a chunk is micro-batch n. ZBV plans max(2p - 1, m) micro-batches and, like
     torch's ScheduleZBVZeroBubble, skips the actions of those beyond m."""
-    ids = stage_ids(x, rank)
+    ids = stage_ids(layout, rank)
     seen: dict[tuple[str, int], int] = {}
     out = []
-    for kind, c in _actions(x, rank):
+    for kind, c in _actions(layout, rank):
         n = seen.get((kind, c), 0)
         seen[(kind, c)] = n + 1
-        if n < x.m:
+        if n < layout.n_micro_batches:
             out.append((kind, ids[c], n))
     return out
 
@@ -47,7 +47,7 @@ def simulate_makespan(schedule: str, pp: int, v: int, m: int,
 @lru_cache(maxsize=4096)
 def _simulate(schedule: str, pp: int, v: int, m: int,
               cost: tuple[tuple[float, float, float], ...]) -> tuple[float, tuple[float, ...]]:
-    key = _PipeKey(schedule=schedule, pp=pp, v=v, m=m)
+    key = _PipeKey(pp_schedule=schedule, pp=pp, pp_virtual=v, n_micro_batches=m)
     n_stages = pp * v
     queues = [_numbered(key, r) for r in range(pp)]  # type: ignore[arg-type]
     ptr = [0] * pp
@@ -94,18 +94,19 @@ def _simulate(schedule: str, pp: int, v: int, m: int,
     return max(free), tuple(busy)
 
 
-def simulated_bubble(x: _Layout) -> float:
+def simulated_bubble(layout: Layout) -> float:
     """Idle time over ideal time, (makespan - work) / work, of the schedule's real action order with equal stages
     and F = I = W (backward = 2 x forward): (p-1)/m for GPipe and 1F1B, (p-1)/(v m) interleaved, and for zero
     bubble the warm-up/cool-down torch's ZBV really leaves (benchmarks/pipeline_bubble.py measures it)."""
-    if x.pp == 1:
+    if layout.pp == 1:
         return 0.0
-    one = 1.0 / (3 * x.v)
-    span, busy = simulate_makespan(x.schedule, x.pp, x.v, x.m, ((one, one, one),) * (x.pp * x.v))
+    one = 1.0 / (3 * layout.pp_virtual)
+    span, busy = simulate_makespan(layout.pp_schedule, layout.pp, layout.pp_virtual, layout.n_micro_batches,
+                                   ((one, one, one),) * (layout.pp * layout.pp_virtual))
     return span / max(busy) - 1.0
 
 
-def bubble_ratio(x: _Layout) -> float:
+def bubble_ratio(layout: Layout) -> float:
     """The step-time model's bubble, idle over ideal time with equal stages: `simulated_bubble`, except where the
     simulation is known to equal a closed form, which the planner's thousands of layouts take without
     simulating (tests/test_estimate_time.py checks each against the simulation):
@@ -113,13 +114,13 @@ def bubble_ratio(x: _Layout) -> float:
       interleaved 1F1B, m a multiple of p   (p-1)/(v m)
       ZBV (zero bubble, v = 2), m >= 2p     (p-1)/(3 v m)   (Qi et al. 2024 with F = I = W)
     Below m = 2p torch's ZBV leaves far more than (p-1)/(3 v m) (p=4, m=4: 0.25 vs 0.125): simulated."""
-    if x.pp == 1:
+    if layout.pp == 1:
         return 0.0
-    p, m, v = x.pp, x.m, x.v
-    if x.schedule in ("gpipe", "1f1b"):
+    p, m, v = layout.pp, layout.n_micro_batches, layout.pp_virtual
+    if layout.pp_schedule in ("gpipe", "1f1b"):
         return (p - 1) / m
-    if x.schedule == "interleaved_1f1b" and m % p == 0:
+    if layout.pp_schedule == "interleaved_1f1b" and m % p == 0:
         return (p - 1) / (v * m)
-    if x.schedule == "zero_bubble" and v == 2 and m >= 2 * p:
+    if layout.pp_schedule == "zero_bubble" and v == 2 and m >= 2 * p:
         return (p - 1) / (3 * v * m)
-    return simulated_bubble(x)
+    return simulated_bubble(layout)

@@ -23,47 +23,53 @@ from __future__ import annotations
 from functools import lru_cache
 
 from curry_train.estimator.init import init_peak
-from curry_train.estimator.layout import _Layout, stage_split
+from curry_train.estimator.layout import Layout, stage_split
 from curry_train.estimator.peak import _peak
 from curry_train.estimator.pipeline import _pipe_states, _PipeState, schedule_key, stage_ids
 
 
-def rank_need(x: _Layout, pp_rank: int) -> int:
+def rank_need(layout: Layout, pp_rank: int) -> int:
     """Bytes one pipeline rank needs: the larger of its step peak and its init peak."""
-    return max(_peak(x, pp_rank).total, init_peak(x, pp_rank))
+    return max(_peak(layout, pp_rank).total, init_peak(layout, pp_rank))
 
 
-def layout_need(x: _Layout, limit: int | None = None) -> int:
+def layout_need(layout: Layout, limit: int | None = None) -> int:
     """Bytes the layout needs on its worst pipeline rank (every rank, through its dominating classes). With
     `limit`, a layout that some rank already shows over it returns that rank's need (a lower bound, above the
     limit) without the other ranks: enough for a caller that asks only whether it fits."""
-    if limit is not None and x.pp > 1:
-        firsts = {}
-        for r in range(x.pp):
-            firsts.setdefault(stage_content(x, r), r)
-        low = max(rank_need(x, r) for r in firsts.values())
+    if layout.pp == 1:
+        return rank_need(layout, 0)
+    contents = stage_contents(layout)
+    if limit is not None:
+        firsts: dict[tuple, int] = {}
+        for r, content in enumerate(contents):
+            firsts.setdefault(content, r)
+        low = max(rank_need(layout, r) for r in firsts.values())
         if low > limit:
             return low
-    return max(rank_need(x, r) for r in rank_classes(x))
+    return max(rank_need(layout, r) for r in _classes(schedule_key(layout), contents))
 
-
-def layout_need_every_rank(x: _Layout) -> int:
+def layout_need_every_rank(layout: Layout) -> int:
     """layout_need without the fast path: every pipeline rank evaluated (the reference the tests hold it to)."""
-    return max(rank_need(x, r) for r in range(x.pp))
+    return max(rank_need(layout, r) for r in range(layout.pp))
 
 
-def stage_content(x: _Layout, pp_rank: int) -> tuple[tuple[int, bool, bool], ...]:
+def stage_content(layout: Layout, pp_rank: int) -> tuple[tuple[int, bool, bool], ...]:
     """Per stage this rank holds, in order: (its layers, first stage, last stage)."""
-    n_stages, split = x.pp * x.v, stage_split(x)
-    return tuple((split[s], s == 0, s == n_stages - 1) for s in stage_ids(x, pp_rank))
+    return stage_contents(layout)[pp_rank]
 
 
-def rank_classes(x: _Layout) -> tuple[int, ...]:
+def stage_contents(layout: Layout) -> tuple[tuple[tuple[int, bool, bool], ...], ...]:
+    """stage_content of every pipeline rank (the split computed once)."""
+    n_stages, split = layout.pp * layout.pp_virtual, stage_split(layout)
+    return tuple(tuple((split[s], s == 0, s == n_stages - 1) for s in stage_ids(layout, r)) for r in range(layout.pp))
+
+
+def rank_classes(layout: Layout) -> tuple[int, ...]:
     """The pipeline ranks whose peak no other rank's bounds (see the module docstring), lowest rank first."""
-    if x.pp == 1:
+    if layout.pp == 1:
         return (0,)
-    return _classes(schedule_key(x), tuple(stage_content(x, r) for r in range(x.pp)))
-
+    return _classes(schedule_key(layout), stage_contents(layout))
 
 # Schedules whose every rank's states dominate those of the next rank (the head's rank apart), so that the lowest
 # rank of each stage content is the only one evaluated and no other rank is simulated: GPipe (every rank runs the
@@ -85,9 +91,9 @@ def _classes(key: tuple, contents: tuple) -> tuple[int, ...]:
         for r, content in enumerate(contents):
             firsts.setdefault(content, r)
         return tuple(sorted(firsts.values()))
-    kept: list[tuple[int, list[_PipeState]]] = []
+    kept: list[tuple[int, dict[tuple, list[_PipeState]]]] = []
     for r, content in enumerate(contents):
-        states = _pipe_states(*key[:4], r, *key[4:])
+        states = _by_kind(_pipe_states(*key[:4], r, *key[4:]))
         same = [(k, s) for k, s in kept if contents[k] == content]
         if any(_dominates(s, states) for _, s in same):
             continue
@@ -96,9 +102,24 @@ def _classes(key: tuple, contents: tuple) -> tuple[int, ...]:
     return tuple(sorted(k for k, _ in kept))
 
 
-def _dominates(a: list[_PipeState], b: list[_PipeState]) -> bool:
-    """Every state of b is covered by one of a."""
-    return all(any(_covers(sa, sb) for sa in a) for sb in b)
+def _kind(s: _PipeState) -> tuple:
+    """What two states must share for one to cover the other (see _covers)."""
+    return s.grads, s.chunk, s.kept, s.own_grads, s.fwd, s.weight
+
+
+def _by_kind(states: list[_PipeState]) -> dict[tuple, list[_PipeState]]:
+    out: dict[tuple, list[_PipeState]] = {}
+    for s in states:
+        out.setdefault(_kind(s), []).append(s)
+    return out
+
+
+def _dominates(a: dict[tuple, list[_PipeState]] | list[_PipeState],
+               b: dict[tuple, list[_PipeState]] | list[_PipeState]) -> bool:
+    """Every state of b is covered by one of a (states grouped by _kind: only a state of the same kind can)."""
+    a = _by_kind(a) if isinstance(a, list) else a
+    b = _by_kind(b) if isinstance(b, list) else b
+    return all(any(_covers(sa, sb) for sa in a.get(kind, ())) for kind, group in b.items() for sb in group)
 
 
 def _covers(sa: _PipeState, sb: _PipeState) -> bool:

@@ -6,33 +6,34 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from functools import lru_cache
+from operator import itemgetter
 
-from curry_train.estimator.layout import _Layout
+from curry_train.estimator.layout import Layout
 from curry_train.pipeline_split import pipeline_stage_ids
 
 
-def stage_ids(x: _Layout, pp_rank: int) -> list[int]:
+def stage_ids(layout: Layout, pp_rank: int) -> list[int]:
     """Stages a pipeline rank holds: the template's own split (rules.pipeline_stage_ids)."""
-    return pipeline_stage_ids(x.pp, x.v, x.schedule, pp_rank)
+    return pipeline_stage_ids(layout.pp, layout.pp_virtual, layout.pp_schedule, pp_rank)
 
 
-def _actions(x: _Layout, rank: int) -> list[tuple[str, int]]:
+def _actions(layout: Layout, rank: int) -> list[tuple[str, int]]:
     """This rank's compute actions in schedule order: ("F"|"B"|"I"|"W", local chunk index).
 
     Ports torch.distributed.pipelining's schedules (2.13): Schedule1F1B's warm-up of p - r micro-batches,
     ScheduleGPipe's all-forward-all-backward, the interleaved/zero-bubble warm-up of _get_warmup_ops and
     ScheduleZBVZeroBubble's V order. Only the order on one rank matters for the memory it holds.
     """
-    p, m, v = x.pp, x.m, x.v
-    if x.schedule == "gpipe" or p == 1:
+    p, m, v = layout.pp, layout.n_micro_batches, layout.pp_virtual
+    if layout.pp_schedule == "gpipe" or p == 1:
         return [("F", 0)] * m + [("B", 0)] * m
-    if x.schedule == "1f1b":
+    if layout.pp_schedule == "1f1b":
         warm = min(m, p - rank)
         acts = [("F", 0)] * warm
         for _ in range(m - warm):
             acts += [("B", 0), ("F", 0)]
         return acts + [("B", 0)] * warm
-    if x.schedule == "zero_bubble" and v == 2:
+    if layout.pp_schedule == "zero_bubble" and v == 2:
         n = max(2 * p - 1, m)
         acts, f0, f1, b0, b1 = [], 0, 0, 0, 0
         for _ in range(2 * (p - rank) - 1):
@@ -66,26 +67,22 @@ def _actions(x: _Layout, rank: int) -> list[tuple[str, int]]:
         acts += [("W", 1)] * (b1 - w1) + [("W", 0)] * (b0 - w0)
         return acts
     # interleaved 1F1B / interleaved zero bubble (looped placement)
-    zb = x.schedule == "zero_bubble"
+    zb = layout.pp_schedule == "zero_bubble"
     rounds = max(1, m // p)
     per_round = m // rounds
     warm = min((v - 1) * per_round + (1 if zb else 2) * (p - 1 - rank), m * v)
     total = m * v
 
-    def fwd_chunk(step: int) -> int:
-        return (step // per_round) % v
-
-    def bwd_chunk(step: int) -> int:
-        return v - 1 - ((step - warm) // per_round) % v
-
+    # forward op `step` runs chunk (step // per_round) % v, backward op `step` v-1 - ((step-warm) // per_round) % v
     acts: list[tuple[str, int]] = []
     pending_w: list[int] = []
+    bwd = "I" if zb else "B"
     for op in range(total + warm):
         if op < total:
-            acts.append(("F", fwd_chunk(op)))
+            acts.append(("F", (op // per_round) % v))
         if op >= warm:  # steady state and cool-down: one backward per op
-            c = bwd_chunk(op)
-            acts.append(("I" if zb else "B", c))
+            c = v - 1 - ((op - warm) // per_round) % v
+            acts.append((bwd, c))
             if zb:
                 pending_w.append(c)
                 if op - warm >= rank:
@@ -109,19 +106,19 @@ class _PipeState:
     pending: tuple[int, ...] = ()  # per local chunk: zero-bubble I's whose W has not run yet (this W's own included)
 
 
-def pipe_states(x: _Layout, rank: int) -> list[_PipeState]:
+def pipe_states(layout: Layout, rank: int) -> list[_PipeState]:
     """The backward starts worth evaluating: the one with the most activations alive, the most with gradients
     already there, each for every pattern of chunks whose FSDP units torch keeps gathered (_kept_units), and
     (last stage) the last one, when every micro-batch's logits are kept. Also the fullest forward ends while
     another chunk's units are kept (`fwd`), and zero 3's fullest zero-bubble W starts that gather again (`weight`).
     A zero-bubble input-backward (I) keeps the graph, and so the activations, until its weight-backward (W)."""
-    key = schedule_key(x)
+    key = schedule_key(layout)
     return _pipe_states(*key[:4], rank, *key[4:])
 
 
-def schedule_key(x: _Layout) -> tuple[str, int, int, int, bool]:
+def schedule_key(layout: Layout) -> tuple[str, int, int, int, bool]:
     """What a rank's schedule states depend on besides the rank: (schedule, pp, v, m, units tracked: zero 3)."""
-    return x.schedule, x.pp, x.v, x.m, x.fsdp and x.zero == 3
+    return layout.pp_schedule, layout.pp, layout.pp_virtual, layout.n_micro_batches, layout.fsdp and layout.zero == 3
 
 
 def periodic_rounds(schedule: str, pp: int, v: int, m: int) -> int:
@@ -149,52 +146,77 @@ def _pipe_states(schedule: str, pp: int, v: int, m: int, rank: int, units: bool 
 
 def _simulate_pipe(schedule: str, pp: int, v: int, m: int, rank: int, units: bool) -> list[_PipeState]:
     """`units`: track the chunks whose units torch keeps gathered (zero 3; otherwise none are, as before)."""
-    x = _PipeKey(schedule=schedule, pp=pp, v=v, m=m)
-    stages = stage_ids(x, rank)  # type: ignore[arg-type]
+    layout = _PipeKey(pp_schedule=schedule, pp=pp, pp_virtual=v, n_micro_batches=m)
+    stages = stage_ids(layout, rank)  # type: ignore[arg-type]
     n_chunks = len(stages)
     head = stages.index(pp * v - 1) if pp * v - 1 in stages else -1
     held = [0] * n_chunks
     has_grads = [False] * n_chunks
     fwd_head, n_grads = 0, 0
-    # (ranking, kept pattern) -> (key, the state's fields): per pattern of kept units, the fullest backward start,
-    # the one with the most gradients, and the fullest forward end while another chunk is kept
-    best: dict[int, tuple[tuple, tuple]] = {}  # ranking * 2**n_chunks + kept mask -> (key, the state's fields)
     last = None
     pending = [0] * n_chunks  # I's awaiting their W: each keeps its graph and its linears' output gradients
-    acts = _kept_units(x, rank) if units else [(k, c, 0) for k, c in _actions(x, rank)]  # type: ignore
+    acts = _kept_units(layout, rank) if units else [(k, c, 0) for k, c in _actions(layout, rank)]  # type: ignore
     top = 1 << n_chunks
 
     def fields(fwd: bool = False, weight: bool = False) -> tuple:  # the _PipeState fields now (kept: a mask)
         return (tuple(held), n_grads / n_chunks, fwd_head, c, kept, has_grads[c], fwd, weight, tuple(pending))
 
-    def offer(slot: int, key: tuple, **kind_: bool) -> None:  # keep the fullest state per slot
-        if slot not in best or key > best[slot][0]:
-            best[slot] = (key, fields(**kind_))
-
+    # Kept per pattern of kept units: the fullest backward start, the one with the most gradients, the fullest
+    # forward end while another chunk is kept, the fullest zero-bubble W that gathers again (the first of equal
+    # ones; the loop is the planner's hot path, so the slots are updated inline). Only the head's rank reports
+    # its last backward start, snapshot at that action.
+    last_bwd = next((i for i in range(len(acts) - 1, -1, -1) if acts[i][0] in ("B", "I")), -1) if head >= 0 else -1
+    zb_gathers = units and schedule == "zero_bubble"  # a W gathers its chunk again (_split_backward_stage)
     total = 0  # sum(held)
-    for kind, c, kept in acts:
+    # the rankings (total held, gradient share) and (gradient share, total held) as one integer each, in the same
+    # order: n_grads is 0 ... n_chunks and total 0 ... len(acts)
+    by_total, by_grads = n_chunks + 1, len(acts) + 1
+    # per slot (ranking * 2**n_chunks + kept mask): its best key (-1: none yet) and state; `order`: the slots in
+    # the order they were first filled (the order ties keep below)
+    keys, found, order = [-1] * (4 * top), [()] * (4 * top), []
+    for i, (kind, c, kept) in enumerate(acts):
         if kind == "F":
             held[c] += 1
             total += 1
             fwd_head += c == head
             if kept & ~(1 << c):  # (interleaved: the measured peak)
-                offer(2 * top + kept, (total, n_grads / n_chunks), fwd=True)
+                key, slot = total * by_total + n_grads, 2 * top + kept
+                if key > keys[slot]:
+                    if keys[slot] < 0:
+                        order.append(slot)
+                    keys[slot], found[slot] = key, fields(fwd=True)
             continue
-        if kind in ("B", "I"):
-            offer(kept, (total, n_grads / n_chunks))
-            offer(top + kept, (n_grads / n_chunks, total))
-            if head >= 0:  # (only the head's rank reports its last backward start)
+        if kind == "W":
+            if zb_gathers and not kept >> c & 1:
+                key, slot = total * by_total + n_grads, 3 * top + kept
+                if key > keys[slot]:
+                    if keys[slot] < 0:
+                        order.append(slot)
+                    keys[slot], found[slot] = key, fields(weight=True)
+            if pending[c] > 0:
+                pending[c] -= 1
+        else:  # B or I: a backward start
+            key = total * by_total + n_grads
+            if key > keys[kept]:
+                if keys[kept] < 0:
+                    order.append(kept)
+                keys[kept], found[kept] = key, fields()
+            key, slot = n_grads * by_grads + total, top + kept
+            if key > keys[slot]:
+                if keys[slot] < 0:
+                    order.append(slot)
+                keys[slot], found[slot] = key, fields()
+            if i == last_bwd:
                 last = fields()
-            pending[c] += kind == "I"
-        if kind == "W" and units and schedule == "zero_bubble" and not kept >> c & 1:  # _split_backward_stage
-            offer(3 * top + kept, (total, n_grads / n_chunks), weight=True)  # gathers the chunk again
-        if kind in ("B", "W"):
-            held[c] -= 1
-            total -= 1
-            pending[c] -= kind == "W" and pending[c] > 0
-            if not has_grads[c]:
-                has_grads[c] = True
-                n_grads += 1
+            if kind == "I":
+                pending[c] += 1
+                continue
+        held[c] -= 1  # B and W
+        total -= 1
+        if not has_grads[c]:
+            has_grads[c] = True
+            n_grads += 1
+    best = {slot: (keys[slot], found[slot]) for slot in order}
 
     def pattern(mask: int) -> tuple[bool, ...]:
         return tuple(bool(mask >> ci & 1) for ci in range(n_chunks))
@@ -214,7 +236,7 @@ def _simulate_pipe(schedule: str, pp: int, v: int, m: int, rank: int, units: boo
     return out
 
 
-def _kept_units(x: _Layout, rank: int) -> list[tuple[str, int, int]]:
+def _kept_units(layout: Layout, rank: int) -> list[tuple[str, int, int]]:
     """_actions, each with a bit mask of the local chunks whose FSDP units are all unsharded when it starts
     (bit c: chunk c).
 
@@ -231,74 +253,82 @@ def _kept_units(x: _Layout, rank: int) -> list[tuple[str, int, int]]:
     others resharded (with v <= 3 chunks, all of them from the step's first action). Zero bubble: the template's
     split-backward stage (parallel/pipeline.py `_split_backward_stage`) gathers every unit of the chunk at the
     start of each I and W pass (FSDPModule.unshard), so a W also leaves its chunk gathered; the masks are those
-    before that gather (estimator/peak.py puts the gather itself at the start of the pass)."""
-    acts = _actions(x, rank)
-    runtime = x.schedule in ("interleaved_1f1b", "zero_bubble") and x.pp > 1
-    n_chunks = 1 + max(c for _, c in acts)
-    kept = [False] * n_chunks
-    last_action = {c: i for i, (_, c) in enumerate(acts)}
+    before that gather (estimator/phases.py puts the gather itself at the start of the pass)."""
+    acts = _actions(layout, rank)
+    runtime = layout.pp_schedule in ("interleaved_1f1b", "zero_bubble") and layout.pp > 1
+    n_chunks = 1 + max(map(itemgetter(1), acts))
     few = runtime and n_chunks <= 3  # every chunk is among the next 3 from the start until its last action
+    last_action: dict[int, int] = {}  # chunk -> index of its last action (read when few)
+    for i in range(len(acts) - 1 if few else -1, -1, -1):
+        last_action.setdefault(acts[i][1], i)
+        if len(last_action) == n_chunks:
+            break
+    # the chunks whose units are all gathered, as bits (bit c: chunk c)
+    mask = (1 << n_chunks) - 1 if few else 0
     if few:
-        kept, runtime = [True] * n_chunks, False
+        runtime = False
     active: set[int] = set()
     backwards = [0] * n_chunks
-    # the next 3 distinct chunks from each action on (_add_unshard_reshard's next_stage_indices), built backwards
+    # the next 3 distinct chunks from each action on (_add_unshard_reshard's next_stage_indices), built backwards;
+    # an action whose next 3 are those of the action after it shares that list (nothing to unshard or reshard)
     upcoming: list[list[int]] = [[]] * len(acts)
     cur: list[int] = []
     for i in range(len(acts) - 1 if runtime else -1, -1, -1):
-        cur = [acts[i][1]] + [c2 for c2 in cur if c2 != acts[i][1]][:2]
+        c = acts[i][1]
+        if not cur or cur[0] != c:
+            cur = [c] + [c2 for c2 in cur if c2 != c][:2]
         upcoming[i] = cur
     out = []
-    mask = sum(1 << ci for ci, k in enumerate(kept) if k)
+    prev: list[int] | None = None
+    zero_bubble, m = layout.pp_schedule == "zero_bubble", layout.n_micro_batches
     for i, (kind, c) in enumerate(acts):
-        zb_unshard = kind == "W" and x.schedule == "zero_bubble"
-        if runtime:
-            nxt = upcoming[i]
+        if runtime and upcoming[i] is not prev:  # (the same list again: active is already exactly it)
+            nxt = prev = upcoming[i]
             for c2 in [c2 for c2 in active if c2 not in nxt]:  # RESHARD
                 active.discard(c2)
-                kept[c2] = False
+                mask &= ~(1 << c2)
             for c2 in nxt:
                 if c2 not in active:  # UNSHARD: every unit of the stage, all-gathered before it computes
                     active.add(c2)
-                    kept[c2] = True
-            mask = sum(1 << ci for ci, k in enumerate(kept) if k)
+                    mask |= 1 << c2
         out.append((kind, c, mask))
+        bit = 1 << c
         if kind == "F":
-            kept[c] = False  # each unit resharded after its forward (zero 3)
-        elif kind in ("B", "I") or zb_unshard:
-            kept[c] = True  # every unit left gathered by the backward (a zero-bubble W gathers them again)
-        if kind in ("B", "W"):
-            backwards[c] += 1
-            if backwards[c] == x.m:  # perform_reduce_grad: reduce-scatter and reshard
-                kept[c] = False
+            mask &= ~bit  # each unit resharded after its forward (zero 3)
+        else:
+            if kind != "W" or zero_bubble:
+                mask |= bit  # every unit left gathered by the backward (a zero-bubble W gathers them again)
+            if kind != "I":  # B and W
+                backwards[c] += 1
+                if backwards[c] == m:  # perform_reduce_grad: reduce-scatter and reshard
+                    mask &= ~bit
         if few and i == last_action[c]:
-            kept[c] = False  # RESHARD once no action of the chunk is left
-        if kept[c] != bool(mask >> c & 1):
-            mask ^= 1 << c
+            mask &= ~bit  # RESHARD once no action of the chunk is left
     return out
 
 
 @dataclass(frozen=True)
 class _PipeKey:
-    """The fields of _Layout the schedule simulation reads."""
+    """The fields of Layout the schedule simulation reads."""
 
-    schedule: str
+    pp_schedule: str
     pp: int
-    v: int
-    m: int
+    pp_virtual: int
+    n_micro_batches: int
 
 
-def in_flight(x: _Layout, rank: int) -> tuple[list[int], int]:
+def in_flight(layout: Layout, rank: int) -> tuple[list[int], int]:
     """(per local chunk: micro-batches held at the fullest backward start, their total)."""
-    s_ = max((q for q in pipe_states(x, rank) if not (q.fwd or q.weight)), key=lambda q: sum(q.held))
+    s_ = max((q for q in pipe_states(layout, rank) if not (q.fwd or q.weight)), key=lambda q: sum(q.held))
     return list(s_.held), sum(s_.held)
 
 
-def bubble_fraction(x: _Layout) -> float:
+def bubble_fraction(layout: Layout) -> float:
     """The TEXTBOOK bubble, idle over ideal time (Narayanan et al. 2021 §2.2; docs/ESTIMATION.md): (p-1)/m for
     GPipe and 1F1B, divided by v for interleaving, and a third of that again for zero bubble (Qi et al. 2024,
     with F = B = W). The step time uses `bubble_ratio` (the schedule's simulated action order) instead."""
-    if x.pp == 1:
+    if layout.pp == 1:
         return 0.0
-    f = (x.pp - 1) / (x.m * (x.v if x.schedule in ("interleaved_1f1b", "zero_bubble") else 1))
-    return f / 3 if x.schedule == "zero_bubble" else f
+    interleaved = layout.pp_schedule in ("interleaved_1f1b", "zero_bubble")
+    f = (layout.pp - 1) / (layout.n_micro_batches * (layout.pp_virtual if interleaved else 1))
+    return f / 3 if layout.pp_schedule == "zero_bubble" else f

@@ -8,7 +8,7 @@ import heapq
 from dataclasses import dataclass
 from functools import lru_cache
 
-from curry_train.estimator.layout import _block_tensors, _Layout, _root_tensors, _Tensor, rank_layers
+from curry_train.estimator.layout import Layout, _block_tensors, _root_tensors, _Tensor, rank_layers
 from curry_train.wrapping import shards_optimizer_only
 
 
@@ -44,74 +44,76 @@ class _States:
     chunk_units: tuple[int, ...] = ()  # per pipeline chunk (stage) of this rank: its units gathered (compute bytes)
 
 
-def _states(x: _Layout, stages: list[int]) -> _States:
-    return _states_cached(x, tuple(stages))
+def _states(layout: Layout, stages: list[int]) -> _States:
+    return _states_cached(layout, tuple(stages))
 
 
 @lru_cache(maxsize=8192)
-def _states_cached(x: _Layout, stages: tuple[int, ...]) -> _States:
+def _states_cached(layout: Layout, stages: tuple[int, ...]) -> _States:
     """Parameters, gradients and AdamW state of one pipeline rank (blocks are identical: sums per block)."""
-    n_stages = x.pp * x.v
-    n_blocks = rank_layers(x, stages)  # pipeline_split: stages may hold different layer counts
-    blk = _block_tensors(x)
-    root = _root_tensors(x, 0 in stages, n_stages - 1 in stages)
+    n_stages = layout.pp * layout.pp_virtual
+    n_blocks = rank_layers(layout, stages)  # pipeline_split: stages may hold different layer counts
+    blk = _block_tensors(layout)
+    root = _root_tensors(layout, 0 in stages, n_stages - 1 in stages)
     blk_local = sum(d0 * r for d0, r, _, _ in blk)
     root_local = sum(d0 * r for d0, r, _, _ in root)
     n_local = n_blocks * blk_local + root_local
     n_tensors = n_blocks * len(blk) + len(root)
-    cbytes = 2 if x.path == "mp" else 4
-    edp = (x.dp // x.ep) * x.cp
+    cbytes = 2 if layout.precision == "mp" else 4
+    edp = (layout.dp // layout.ep) * layout.cp
+    dense_group = layout.shard  # HSDP shards dense tensors over dp*cp/dp_replicate ranks
 
-    def group(tn: _Tensor) -> int:  # HSDP shards dense tensors over dp*cp/dp_replicate ranks (layout.shard)
-        return edp if (tn[3] == "expert" and x.ep > 1) else x.shard
+    def group(tn: _Tensor) -> int:
+        return edp if (tn[3] == "expert" and layout.ep > 1) else dense_group
 
     def shard(tn: _Tensor) -> int:  # FSDP2: dim 0 split in ceil(d0 / d) rows, rank 0 holds the most
         g = group(tn)
-        if tn[3] == "expert" and x.ep > 1 and tn[0] % g:
+        if tn[3] == "expert" and layout.ep > 1 and tn[0] % g:
             # expert_parallel.expert_shard_placement: El experts that do not split over edp are sharded on a
             # hidden dim ([El, D, F] -> D / g rows of each; the _Tensor folds D*F into `rest`)
             return tn[0] * -(-tn[1] // g)
         return -(-tn[0] // g) * tn[1]
 
-    step_bytes = 4 if x.device == "cpu" else 0
-    if x.fsdp:
+    step_bytes = 4 if layout.device == "cpu" else 0
+    if layout.fsdp:
         blk_shard, root_shard = sum(shard(tn) for tn in blk), sum(shard(tn) for tn in root)
         stored = n_blocks * blk_shard + root_shard
         unit = sum(shard(tn) * group(tn) for tn in blk)  # padded unsharded block (experts nested: same sum)
         root_sz = sum(shard(tn) * group(tn) for tn in root)
         largest = max([shard(tn) for tn in blk + root], default=0)
-        chunks = tuple(cbytes * (rank_layers(x, (s_,)) * unit + sum(
-            shard(tn) * group(tn) for tn in _root_tensors(x, s_ == 0, s_ == n_stages - 1))) for s_ in stages)
+        chunks = tuple(cbytes * (rank_layers(layout, (s_,)) * unit + sum(
+            shard(tn) * group(tn) for tn in _root_tensors(layout, s_ == 0, s_ == n_stages - 1))) for s_ in stages)
         return _States(params=4 * stored, grads_full=4 * stored, opt=8 * stored +
                        step_bytes * n_tensors, ddp_buckets=0, unit_max=cbytes * unit, root_unit=cbytes * root_sz,
                        all_units=cbytes * (n_blocks * unit + root_sz), rs_buffer=4 * unit,
-                       step_transient=_step_transient(x, 4 * largest, 4 * stored), n_local=n_local,
+                       step_transient=_step_transient(layout, 4 * largest, 4 * stored), n_local=n_local,
                        n_stored=stored, largest_tensor=largest, root_stored=root_shard, chunk_units=chunks)
-    if shards_optimizer_only(x.dp, x.cp, x.zero):  # ZeRO-1 (wrapping.py)
+    if shards_optimizer_only(layout.dp, layout.cp, layout.zero):  # ZeRO-1 (wrapping.py)
         every = blk * n_blocks + root
         owned = _zero1_max_share(tuple(g if r > 1 else d0 for d0, r, g, _ in every),
-                                 tuple(d0 * r for d0, r, _, _ in every), x.dpcp)
-        opt = 8 * owned + step_bytes * -(-n_tensors // x.dpcp)
+                                 tuple(d0 * r for d0, r, _, _ in every), layout.dpcp)
+        opt = 8 * owned + step_bytes * -(-n_tensors // layout.dpcp)
         owned_bytes = 4 * owned
     else:
         opt = 8 * n_local + step_bytes * n_tensors
         owned_bytes = 4 * n_local
     ddp_params = n_local
-    if x.E and x.ep > 1:  # expert shards are on DDP's ignore list (synced by expert_parallel.sync_expert_grads)
+    # expert shards are on DDP's ignore list (synced by expert_parallel.sync_expert_grads)
+    if layout.num_experts and layout.ep > 1:
         ddp_params -= n_blocks * sum(d0 * r for d0, r, _, k in blk if k == "expert")
     largest = max([d0 * r for d0, r, _, _ in blk + root], default=0)
     grads = 4 * n_local
-    if x.tp > 1 and 0 in stages:
+    if layout.tp > 1 and 0 in stages:
         # The vocab-parallel embedding's gradient comes back as a full [V, D] local tensor (measured, torch
         # 2.13 RowwiseParallel on nn.Embedding), not the [V/tp, D] shard the parameter is.
-        grads += 4 * (x.V - x.V // x.tp) * x.D
+        grads += 4 * (layout.vocab_size - layout.vocab_size // layout.tp) * layout.d_model
     return _States(params=4 * n_local, grads_full=grads, opt=opt,
-                   ddp_buckets=4 * ddp_params if x.ddp else 0, unit_max=0, root_unit=0, all_units=0, rs_buffer=0,
-                   step_transient=_step_transient(x, 4 * largest, owned_bytes),
+                   ddp_buckets=4 * ddp_params if layout.ddp else 0, unit_max=0, root_unit=0, all_units=0, rs_buffer=0,
+                   step_transient=_step_transient(layout, 4 * largest, owned_bytes),
                    n_local=n_local, n_stored=n_local, largest_tensor=largest)
 
 
-def _step_transient(x: _Layout, largest_bytes: int, owned_bytes: int) -> int:
+def _step_transient(layout: Layout, largest_bytes: int, owned_bytes: int) -> int:
     """AdamW step temporaries: the CPU default (foreach=False) makes sqrt(v) and its quotient for one tensor at
     a time; CUDA's foreach path materialises sqrt(v) for every owned tensor at once (+4 B/param)."""
-    return 2 * largest_bytes if x.device == "cpu" else owned_bytes
+    return 2 * largest_bytes if layout.device == "cpu" else owned_bytes

@@ -176,7 +176,7 @@ def _split_backward_stage() -> type:
     units are gathered at the start of I rather than one by one during it; torch keeps them all gathered after
     any backward until REDUCE_GRAD anyway (`backward_maybe_with_nosync` -> `set_reshard_after_backward(False)`),
     and the all-gathers are the ones zero=3's own pre-backward unshard would issue (benchmarks/
-    estimator_accuracy.py row pp2-dp2-zero3-d256-zb; estimator/peak.py models this gather as a moment of its own)."""
+    estimator_accuracy.py row pp2-dp2-zero3-d256-zb; estimator/phases.py models this gather as a moment of its own)."""
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.pipelining import PipelineStage
 

@@ -1,0 +1,258 @@
+"""One function per moment of the step on one pipeline rank (part of curry_train.estimator): each returns the
+Moments of its phase (none where the phase does not happen), read from the rank's RankView and, for the phases
+of a schedule state, its StateView (estimator/moments.py). peak.py evaluates them in the order of
+moments.py's docstring and takes the largest.
+"""
+
+from __future__ import annotations
+
+from curry_train.estimator.layout import Layout, _root_tensors
+from curry_train.estimator.moments import (
+    GLOO_COPIES_RS_INPUT,
+    LOSS_IN_MODEL,
+    PP_KEEPS_OUTPUTS,
+    ZB_GATHERS_BEFORE_SPLIT_BACKWARD,
+    Moment,
+    RankView,
+    StateView,
+    _with_buckets,
+)
+from curry_train.estimator.states import _States
+
+# ----------------------------------------------------------------------------------- at each schedule state
+
+
+def units_gathered_zero_bubble(r: RankView, s: StateView) -> list[Moment]:
+    """Zero 3 under a zero-bubble schedule: the I (or W) pass gathers the whole chunk before it computes; at the
+    last unit's copy-out its flat all-gather output sits next to every unit (FSDPParamGroup.wait_for_unshard
+    frees it after; the root is gathered first, so its own copy-out is the larger moment only for a root above
+    the blocks). The pass then runs with every unit of the chunk gathered (sets s.own_kept)."""
+    layout, st, ps = r.layout, r.st, s.ps
+    if not (r.zero3 and layout.pp > 1 and layout.pp_schedule == "zero_bubble" and ZB_GATHERS_BEFORE_SPLIT_BACKWARD
+            and not s.own_kept and not ps.fwd):
+        return []
+    c, lay = ps.chunk, r.chunk_layers
+    root_c = st.chunk_units[c] - lay[c] * st.unit_max
+    p_g, o_g = max((st.chunk_units[c], st.unit_max if lay[c] else root_c), (root_c, root_c), key=sum)
+    acts_g = s.head_acts if r.has_head and layout.pp > 1 else s.acts + s.logits_alive
+    s.own_kept = True
+    return [Moment("units gathered (zero bubble)", s.param_copies + s.kept_other + p_g, s.grads_prev, acts_g,
+                   s.other + o_g, {})]
+
+
+def forward_units_kept(r: RankView, s: StateView) -> list[Moment]:
+    """The end of this chunk's forward while other chunks' units are kept: its root and last block are gathered,
+    and FSDP2 holds that block's flat all-gather output until the next copy-out
+    (_fsdp_param_group.FSDPParamGroup.wait_for_unshard, implicit forward prefetch)."""
+    st, a, ps = r.st, r.a, s.ps
+    root_c = st.chunk_units[ps.chunk] - r.chunk_layers[ps.chunk] * st.unit_max
+    acts_f = s.acts + (a.logits if ps.chunk == r.head_chunk else 0)
+    return [Moment("forward (units kept)", s.param_copies + s.kept_other + root_c + st.unit_max, s.grads_prev,
+                   acts_f, s.other + st.unit_max + a.stream, {})]
+
+
+def _gathered(r: RankView, s: StateView) -> int:
+    """Units gathered as a backward starts: every unit under zero 2, the kept ones under zero 3."""
+    if r.fsdp and not r.zero3:
+        return r.st.all_units
+    return s.kept_other + (r.st.chunk_units[s.ps.chunk] if s.own_kept else 0)
+
+
+def _head_weight_grads(r: RankView) -> tuple[int, int]:
+    """(dW_out, the chunked loss's summed head-weight gradient): under autocast in the compute dtype the chunks
+    share autocast's cached bf16 cast of the weight, whose backward node sums them before the one cast back."""
+    layout, a = r.layout, r.a
+    w_out = r.grad_bytes * (layout.vocab_size // layout.tp) * layout.d_model
+    if a.chunks == 1:
+        return w_out, 0
+    return w_out, (2 * (layout.vocab_size // layout.tp) * layout.d_model if layout.precision == "autocast" else w_out)
+
+
+def _at_head(r: RankView, s: StateView) -> bool:
+    return r.has_head and s.ps.chunk == r.head_chunk
+
+
+def loss_backward(r: RankView, s: StateView) -> list[Moment]:
+    """The loss backward: log_softmax's gradient next to the nll gradient (two fp32 [n, V/tp]); under TP's
+    loss_parallel: the nll gradient, exp(log_softmax) and their sum, plus index masks. Chunked: the last chunk
+    backward runs (the first chunk) recomputes its log-softmax; the earlier chunks left their summed head-weight
+    gradient and their [nc, D] input gradients (in the split's input buffer until all chunks are in)."""
+    if not _at_head(r, s):
+        return []
+    layout, a = r.layout, r.a
+    loss_grads = 3 * a.lsm + 4 * a.chunk_targets if layout.tp > 1 and not layout.num_experts else 2 * a.lsm
+    _, w_acc = _head_weight_grads(r)
+    chunk_acc = w_acc + a.dy_head if a.chunks > 1 else 0
+    return [Moment("loss backward", s.param_copies + _gathered(r, s), s.grads_prev, s.head_acts + a.lsm - s.lsm_kept,
+                   s.other + loss_grads + chunk_acc, {"loss_grads": loss_grads})]
+
+
+def lm_head_backward(r: RankView, s: StateView) -> list[Moment]:
+    """The LM head's backward: d(logits), dW_out, d(head input); zero 3 re-gathers the root and prefetches the
+    last block (its flat all-gather output waits in a staging buffer). Chunked: the engine sums each chunk's
+    dW_out into the accumulated one out of place (torch's InputBuffer), so three [V, D] gradients meet at that
+    add, next to the chunks' input gradients."""
+    if not _at_head(r, s):
+        return []
+    a = r.a
+    w_out, w_acc = _head_weight_grads(r)
+    head_grads = a.grad_logits + a.dy_head + w_out if a.chunks == 1 else 3 * w_acc + a.dy_head
+    p2, o2 = s.param_copies + _gathered(r, s), s.other + head_grads
+    if r.zero3 and not s.own_kept:
+        p2 += r.st.root_unit
+        o2 += r.st.unit_max
+    return [Moment("LM head backward", p2, s.grads_prev, s.head_acts - s.lsm_kept, o2, {"head_grads": head_grads})]
+
+
+def _block_backward(r: RankView, s: StateView) -> tuple[int, int, int, int]:
+    """(param copies, grads, other, activations) in the backward of the chunk's last block. New gradients of the
+    head and of w2 are fresh tensors until the first backward has run; then autograd adds into .grad in place,
+    except FSDP mixed precision, whose bf16 unsharded grads join the fp32 accumulator only at the unit's
+    post-backward. Zero 3 gathers units one by one: root + this block (+ the prefetched one's staging buffer).
+    Zero bubble: the input backward (I) retains the graph for the weight backward (W), with every linear's
+    output gradient of the chunk."""
+    layout, st, a = r.layout, r.st, r.a
+    head_grads = r.grad_bytes * r.head_numel if _at_head(r, s) and s.fresh else 0
+    g3 = s.grads_prev + head_grads + (r.grad_bytes * r.w2 if s.fresh else 0)
+    gathering = r.zero3 and not s.own_kept
+    p3 = s.param_copies + (_gathered(r, s) + (st.root_unit + st.unit_max if gathering else 0) if r.fsdp else 0)
+    o3 = s.other + a.d_stream + (st.unit_max if gathering else 0)
+    acts3 = s.acts + s.logits_alive + r.recompute_extra
+    if layout.pp > 1 and layout.pp_schedule == "zero_bubble":
+        o3 += r.chunk_layers[s.ps.chunk] * a.lin_out_grads
+    return p3, g3, o3, acts3
+
+
+def last_block_backward(r: RankView, s: StateView) -> list[Moment]:
+    """The chunk's last block backward: zero bubble's input backward (the loss part of the graph retained too,
+    with the head's output gradient of every loss chunk), then at the SwiGLU product's gradient and in
+    RMSNorm's backward."""
+    layout, a = r.layout, r.a
+    p3, g3, o3, acts3 = _block_backward(r, s)
+    out = []
+    if layout.pp > 1 and layout.pp_schedule == "zero_bubble":
+        if _at_head(r, s):
+            acts_i, o_i = s.head_acts + r.recompute_extra, o3 + a.grad_logits_all
+        else:
+            acts_i, o_i = acts3, o3
+        out.append(Moment("input backward (zero bubble)", p3, g3, acts_i, o_i + 5 * a.stream, {}))
+    out.append(Moment("block backward (SwiGLU)", p3, g3, acts3 - a.prod, o3 + a.ffn_bwd, {}))
+    out.append(Moment("block backward (norm)", p3, g3, acts3 - a.ffn_saved, o3 + 5 * a.stream, {}))
+    return out
+
+
+def first_block_units_kept(r: RankView, s: StateView) -> list[Moment]:
+    """Zero 3 under a pipeline, the start of the chunk's first block backward: every unit of the chunk stays
+    gathered (set_reshard_after_backward(False)) while this micro-batch's later blocks have freed their
+    activations; unless they were kept, the first block's prefetched all-gather output (FSDP2 staging, freed
+    only after its copy-out) sits next to its unsharded copy (measured, memory.py "comm")."""
+    layout, st, a, c = r.layout, r.st, r.a, s.ps.chunk
+    if not (r.zero3 and layout.pp > 1):
+        return []
+    _, _, _, acts3 = _block_backward(r, s)
+    lay = r.chunk_layers
+    acts_end = acts3 - (lay[c] - 1) * a.layer_saved - (a.logits if c == r.head_chunk else 0)
+    if c == r.head_chunk:  # the other micro-batches' saved head activations (GPipe holds m, measured)
+        acts_end += (s.ps.held[c] - 1) * a.head
+    g_end = s.grads_prev
+    if not s.ps.own_grads:  # the chunk's first backward: accumulators of its later blocks and its head
+        root_c = sum(d0 * r_ for d0, r_, _, _ in _root_tensors(layout, False, r.stages[c] == r.n_stages - 1))
+        g_end += 4 * ((lay[c] - 1) * r.block_local + root_c)
+    p_end = s.param_copies + s.kept_other + st.chunk_units[c]
+    out = []
+    if not s.own_kept:
+        out.append(Moment("first block gathered (units kept)", p_end, g_end, acts_end,
+                          s.other + a.d_stream + st.unit_max, {}))
+    out.append(Moment("first block backward (units kept)", p_end, g_end + r.grad_bytes * r.w2, acts_end - a.prod,
+                      s.other + a.d_stream + a.ffn_bwd, {}))
+    return out
+
+
+def ring_attention_backward(r: RankView, s: StateView) -> list[Moment]:
+    """CP: inside ring attention's backward (its fp32 working set, acts._ring_backward)."""
+    layout, a = r.layout, r.a
+    if layout.cp <= 1:
+        return []
+    p3, g3, o3, acts3 = _block_backward(r, s)
+    g_attn = g3 + (r.grad_bytes * r.block_local - r.grad_bytes * r.w2 if s.fresh and not layout.num_experts else 0)
+    return [Moment("ring attention backward", p3, g_attn, acts3 - a.ffn_saved - a.post_attn, o3 + a.ring_bwd, {})]
+
+
+# ----------------------------------------------------------------------------------- once per step
+
+
+def first_layer_backward(r: RankView) -> list[Moment]:
+    """The step's last block backward (first layer of the first chunk): gradients are nearly all there; with
+    full recompute or small batches this is where the peak is."""
+    layout, st, a = r.layout, r.st, r.a
+    m, cb, n_blk, blk_local = layout.n_micro_batches, r.compute_bytes, r.n_blocks, r.block_local
+    acc = m > 1 or layout.pp > 1
+    logits_end = (m if (r.has_head and layout.pp > 1 and PP_KEEPS_OUTPUTS) else
+                  (1 if r.has_head and layout.pp == 1 and not LOSS_IN_MODEL else 0))
+    V, D, tp = layout.vocab_size, layout.d_model, layout.tp
+    if r.fsdp:
+        blk_shard = st.n_stored - st.root_stored
+        root_local = st.n_local - blk_local * n_blk
+        g4 = 4 * (blk_shard - blk_shard // max(n_blk, 1))  # reduced blocks: sharded grads
+        if r.fsdp_accum:
+            g4 += 4 * (root_local + blk_local)  # accumulators of the root and of this block
+            if layout.precision == "mp":
+                g4 += cb * (root_local + r.w2)
+        else:
+            if m > 1:  # sharded grads of this block and the root from the earlier micro-steps
+                g4 += 4 * (st.n_stored - (blk_shard - blk_shard // max(n_blk, 1)))
+            g4 += cb * (root_local - ((V // tp) * D if r.has_embed else 0) + r.w2)
+        p4, o4 = st.root_unit + st.unit_max, st.rs_buffer
+        if layout.pp > 1:  # the chunk's units all stay gathered until perform_reduce_grad (pipeline._kept_units)
+            p4 = st.chunk_units[0]
+    else:
+        embed_grad = 4 * V * D if (r.has_embed and tp > 1) else (4 * (V // tp) * D if r.has_embed else 0)
+        g4 = _with_buckets(st.grads_full if acc else st.grads_full - 4 * blk_local - embed_grad + 4 * r.w2,
+                           st.ddp_buckets)
+        p4, o4 = 0, 0
+    acts4 = r.data + a.rope + (a.embed if r.has_embed else 0) + a.layer_saved + r.recompute_extra + \
+        logits_end * a.logits - a.prod
+    if layout.pp > 1 and min(r.stages) != r.n_stages - 1:
+        acts4 += a.stream
+    return [Moment("block backward (first)", p4 + a.pcopy_layer, g4, acts4,
+                   r.other_base + a.d_stream + a.ffn_bwd + o4, {})]
+
+
+def root_reduce_scatter(r: RankView) -> list[Moment]:
+    """FSDP without a pipeline: the root unit's reduce-scatter at the end of every backward."""
+    if not (r.fsdp and r.layout.pp == 1):
+        return []
+    return [_root_reduce_scatter(r.layout, r.st, r.compute_bytes, r.layout.n_micro_batches, r.data, r.other_base)]
+
+
+def _root_reduce_scatter(layout: Layout, st: _States, cb: int, m: int, data: int, other0: int) -> Moment:
+    """The root unit's reduce-scatter at the end of every backward (FSDP2 runs the root's post_backward from
+    FSDPState._root_post_backward_final_callback, after every block's). foreach_reduce (torch 2.13
+    fsdp/_fully_shard/_fsdp_collectives.py) allocates the reduce-scatter input in reduce_dtype, fp32 here
+    (parallel/fsdp.py: MixedPrecisionPolicy(reduce_dtype=float32)), so the root's [V, D] embedding and head
+    gradients get an fp32 copy, padded to the whole unit; foreach_reduce_scatter_copy_in fills it while every
+    unsharded root gradient (compute dtype) is alive, then the list is cleared and the fp32 output shard is
+    allocated next to the input. Measured on CPU (vocab-zero3-dp2-bf16, memory.py) at the collective: input
+    + output + one [V/tp, D] compute-dtype gradient the autograd engine still holds (no Python reference; the
+    graph task ends after this callback) + gloo's own copy of the input (GLOO_COPIES_RS_INPUT). The previous
+    unit's reduce-scatter input is not alive: FSDPParamGroup.post_backward pops comm_ctx.reduce_scatter_states
+    down to reduce_scatter_max_input_buffers (1) before this reduce appends. On CUDA the estimator assumes the
+    same moment without gloo's copy (the held gradient is the engine's, not the backend's). Sharded gradients:
+    all of them after an earlier micro-step, else every block's but the root's (its output is the new one)."""
+    rs_in = 4 * (st.root_unit // cb)  # padded unsharded root numel, fp32
+    rs_out = 4 * st.root_stored
+    held = cb * (layout.vocab_size // layout.tp) * layout.d_model
+    gloo = rs_in if (layout.device == "cpu" and GLOO_COPIES_RS_INPUT) else 0
+    # copy-in (all unsharded root grads + input) or the collective (input + output + held grad + gloo's copy)
+    rs = rs_in + max(st.root_unit, rs_out + held + gloo)
+    grads = st.grads_full if m > 1 else st.grads_full - rs_out
+    return Moment("root reduce-scatter", 0, grads, data, other0 + rs, {"root_reduce_scatter": rs})
+
+
+def optimizer_step(r: RankView) -> list[Moment]:
+    """The optimizer step (AdamW temporaries); a pipeline's last stage holds the logits step() kept, if it
+    keeps them."""
+    layout, st, a = r.layout, r.st, r.a
+    kept_logits = layout.n_micro_batches * a.logits if (r.has_head and layout.pp > 1 and PP_KEEPS_OUTPUTS) else 0
+    return [Moment("optimizer step", 0, _with_buckets(st.grads_full, st.ddp_buckets), kept_logits,
+                   r.other_base + st.step_transient, {"adamw_step": st.step_transient})]
