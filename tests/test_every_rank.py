@@ -79,6 +79,7 @@ def test_schedule_states_repeat_after_periodic_rounds():
     assert checked > 100
 
 
+@pytest.mark.slow  # ~40 s of arithmetic over 8,000 layouts: out of the inner loop, and started first under xdist
 def test_the_fast_path_equals_every_rank_on_every_layout_the_planner_evaluates(monkeypatch):
     # every setup of benchmarks/published_layouts.py: every layout `plan` evaluates (each pipeline rank,
     # schedule, HSDP, EP, CP it searches), fast path == every rank, to the byte
