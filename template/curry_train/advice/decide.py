@@ -202,10 +202,12 @@ def oom(c: Ctx) -> Decision:
     # 1. one device: recompute first, then more GPUs with ZeRO
     if cfg.world_size == 1:
         r = recompute()
-        if r is not None:
+        sizes = [d for d in dp_sizes(cfg, avail) if d > 1]
+        if r is not None and r.facts["fits"]:
             c.reject("one_device_recompute_first")
             return r
-        sizes = [d for d in dp_sizes(cfg, avail) if d > 1]
+        if r is not None:  # a rung the estimate says cannot fit is never the answer: ZeRO over more GPUs, or none
+            c.reject("recompute_not_enough", total=r.facts["total"], mode=r.facts["mode"])
         if not sizes:
             return Decision("none", {}, None, "one_device_more_gpus",
                             {"gpus_per_node": h.gpus_per_node, "nodes": h.nodes, "recompute": p.recompute,

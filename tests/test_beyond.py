@@ -1,0 +1,90 @@
+"""The one-GPU question: when no layout fits, what does fit on the GPU and the options beyond the ladder, each
+with its memory; never a first rung the estimate says cannot fit. Each bytes-per-parameter figure of
+advice/beyond.py is checked against the arithmetic its source states."""
+
+from __future__ import annotations
+
+import pytest
+from curry_train.advice import beyond
+from curry_train.advice.advisor import recommend_next
+from curry_train.advice.beyond import one_gpu_answer
+from curry_train.advice.planner import plan
+from curry_train.advice.sweep import capacity_sweep
+from curry_train.estimator import GiB, estimate, param_count
+
+# Llama 2 13B (Touvron et al. 2023, arXiv:2307.09288): 40 layers, d_model 5120, 40 heads (no GQA), FFN 13824
+L13 = {"model": {"vocab_size": 32000, "d_model": 5120, "n_layers": 40, "n_heads": 40, "n_kv_heads": 40,
+                 "d_ff": 13824},
+       "train": {"seq_len": 4096, "global_batch": 8, "micro_batch": 1, "dtype": "bfloat16"},
+       "parallel": {"dp": 1}, "hardware": {"device": "cuda", "gpus_per_node": 1, "nodes": 1}}
+
+
+def test_each_bytes_per_parameter_figure_matches_its_source():
+    assert beyond.FULL_ADAMW_B == 4 + 4 + 8  # fp32 master + fp32 grad + AdamW's two fp32 moments
+    assert beyond.BF16_B == 2
+    # QLoRA sec. 3, double quantization: constants cost 8/64 + 32/(64*256) = 0.127 bits per parameter
+    assert (beyond.NF4_B * 8 - 4) == pytest.approx(0.127, abs=5e-4)
+    # 8-bit Adam: two 8-bit states, one fp32 absmax per 2048-value block of each
+    assert beyond.ADAM8BIT_B == pytest.approx(2.0039, abs=1e-4)
+    # DeepSpeed estimate_zero3_model_states_mem_needs: optimizer offload GPU 2 B/param, host 16 B x 1.5; params too:
+    # GPU 4 B per largest-layer parameter, host 18 B x 1.5
+    assert (beyond.OFFLOAD_OPT_GPU_B, beyond.OFFLOAD_OPT_HOST_B, beyond.OFFLOAD_ALL_LAYER_B,
+            beyond.OFFLOAD_ALL_HOST_B, beyond.HOST_BUFFER_FACTOR) == (2, 16, 4, 18, 1.5)
+
+
+def test_a_13b_on_one_rtx4090_gets_the_options_with_numbers_and_no_rung_that_cannot_fit():
+    r = recommend_next(L13, gpu="rtx4090")
+    assert r.config_patch == {} and r.more_gpus_needed and r.gpu_profile == "RTX4090"
+    assert "one_gpu" in r.reason
+    a = r.one_gpu
+    assert a is not None and a.gpu == "RTX4090" and a.params == param_count(estimate_cfg := _cfg())
+    opts = {o.name.split(",")[0].split(" of ")[0]: o for o in a.options}
+    assert all(o.outside_template and o.gpu_bytes > 0 for o in a.options)
+    n = param_count(estimate_cfg)
+    # QLoRA's base: 0.516 B/param on the linears; the 13B's model states alone are 16 B/param
+    assert opts["QLoRA"].fits and opts["QLoRA"].gpu_bytes < 13 * GiB
+    assert not opts["LoRA"].fits and opts["LoRA"].gpu_bytes > 2 * n  # a bf16 base alone is 24 GiB
+    assert not opts["8-bit AdamW states"].fits
+    cpu = [o for o in a.options if o.host_bytes]
+    assert [o.host_bytes for o in cpu] == [int(16 * n * 1.5), int(18 * n * 1.5)]
+    assert cpu[1].fits and not cpu[0].fits  # parameters offloaded too: only the largest layer stays on the GPU
+    assert a.what_fits.max_seq_len is None and a.what_fits.model_state_bytes >= 16 * n
+    lm = a.what_fits.largest_model
+    assert lm is not None and 0.5e9 < lm.params < 2e9 and a.what_fits.largest_model_peak_bytes <= a.usable_bytes
+    assert any("outside this template" in t for t in a.text)
+
+
+def _cfg():
+    from curry_train.config import from_dict
+
+    return from_dict(L13)
+
+
+def test_recompute_that_fits_is_still_the_first_rung_and_carries_no_one_gpu_answer():
+    small = {**L13, "model": {**L13["model"], "n_layers": 2, "d_model": 1024, "n_heads": 8, "n_kv_heads": 8,
+                              "d_ff": 2816}, "train": {**L13["train"], "micro_batch": 48, "global_batch": 48}}
+    r = recommend_next(small, gpu="RTX4090")
+    assert r.primitive == "recompute" and r.fits_after and r.one_gpu is None
+
+
+def test_plan_and_capacity_sweep_say_what_would_fit():
+    p = plan({"model": L13["model"]}, 1, 1, None, 4096, 8, gpu="RTX 4090")
+    assert not p.fits and p.one_gpu is not None and p.one_gpu.gpu == "RTX4090"
+    s = capacity_sweep(L13, {"hardware.gpu_memory_gib": 24.0})
+    assert all(r.max_micro_batch is None for r in s.rungs) and s.one_gpu is not None
+    lm = s.one_gpu.what_fits.largest_model
+    assert lm is not None and min(m.params for m in s.family) > lm.params  # below the sweep's own family
+
+
+def test_a_model_that_fits_gets_its_largest_micro_batch_and_sequence():
+    cfg = {**L13, "model": {**L13["model"], "n_layers": 4}}
+    a = one_gpu_answer(cfg, "A100-80")
+    assert a.what_fits.max_micro_batch >= 1 and a.what_fits.max_seq_len >= 4096
+    e = estimate(beyond._single(_cfg_from(cfg), seq_len=a.what_fits.max_seq_len, micro_batch=1), gpu="A100-80")
+    assert e.memory.total <= a.usable_bytes
+
+
+def _cfg_from(raw):
+    from curry_train.config import from_dict
+
+    return from_dict(raw)
