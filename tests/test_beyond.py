@@ -88,3 +88,9 @@ def _cfg_from(raw):
     from curry_train.config import from_dict
 
     return from_dict(raw)
+
+
+def test_with_more_gpus_in_the_node_zero_that_fits_comes_before_recompute_that_cannot():
+    r = recommend_next(L13, overrides={"hardware.gpus_per_node": 8}, gpu="A100-80")
+    assert r.primitive.startswith("zero") and r.fits_after and r.one_gpu is None
+    assert any("not a rung that fits" in x for x in r.rejected)
