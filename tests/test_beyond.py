@@ -10,6 +10,7 @@ from curry_train.advice.advisor import recommend_next
 from curry_train.advice.beyond import one_gpu_answer
 from curry_train.advice.planner import plan
 from curry_train.advice.sweep import capacity_sweep
+from curry_train.config import from_dict
 from curry_train.estimator import GiB, estimate, param_count
 
 # Llama 2 13B (Touvron et al. 2023, arXiv:2307.09288): 40 layers, d_model 5120, 40 heads (no GQA), FFN 13824
@@ -37,10 +38,10 @@ def test_a_13b_on_one_rtx4090_gets_the_options_with_numbers_and_no_rung_that_can
     assert r.config_patch == {} and r.more_gpus_needed and r.gpu_profile == "RTX4090"
     assert "one_gpu" in r.reason
     a = r.one_gpu
-    assert a is not None and a.gpu == "RTX4090" and a.params == param_count(estimate_cfg := _cfg())
+    n = param_count(from_dict(L13))
+    assert a is not None and a.gpu == "RTX4090" and a.params == n
     opts = {o.name.split(",")[0].split(" of ")[0]: o for o in a.options}
     assert all(o.outside_template and o.gpu_bytes > 0 for o in a.options)
-    n = param_count(estimate_cfg)
     # QLoRA's base: 0.516 B/param on the linears; the 13B's model states alone are 16 B/param
     assert opts["QLoRA"].fits and opts["QLoRA"].gpu_bytes < 13 * GiB
     assert not opts["LoRA"].fits and opts["LoRA"].gpu_bytes > 2 * n  # a bf16 base alone is 24 GiB
@@ -52,12 +53,6 @@ def test_a_13b_on_one_rtx4090_gets_the_options_with_numbers_and_no_rung_that_can
     lm = a.what_fits.largest_model
     assert lm is not None and 0.5e9 < lm.params < 2e9 and a.what_fits.largest_model_peak_bytes <= a.usable_bytes
     assert any("outside this template" in t for t in a.text)
-
-
-def _cfg():
-    from curry_train.config import from_dict
-
-    return from_dict(L13)
 
 
 def test_recompute_that_fits_is_still_the_first_rung_and_carries_no_one_gpu_answer():
@@ -80,17 +75,42 @@ def test_a_model_that_fits_gets_its_largest_micro_batch_and_sequence():
     cfg = {**L13, "model": {**L13["model"], "n_layers": 4}}
     a = one_gpu_answer(cfg, "A100-80")
     assert a.what_fits.max_micro_batch >= 1 and a.what_fits.max_seq_len >= 4096
-    e = estimate(beyond._single(_cfg_from(cfg), seq_len=a.what_fits.max_seq_len, micro_batch=1), gpu="A100-80")
+    e = estimate(beyond._single(from_dict(cfg), seq_len=a.what_fits.max_seq_len, micro_batch=1), gpu="A100-80")
     assert e.memory.total <= a.usable_bytes
-
-
-def _cfg_from(raw):
-    from curry_train.config import from_dict
-
-    return from_dict(raw)
 
 
 def test_with_more_gpus_in_the_node_zero_that_fits_comes_before_recompute_that_cannot():
     r = recommend_next(L13, overrides={"hardware.gpus_per_node": 8}, gpu="A100-80")
     assert r.primitive.startswith("zero") and r.fits_after and r.one_gpu is None
     assert any("not a rung that fits" in x for x in r.rejected)
+
+
+@pytest.mark.anyio
+async def test_over_mcp_a_lowercase_rtx4090_gets_the_one_gpu_answer(project, monkeypatch):
+    import yaml
+    from curry_train_mcp.server import mcp
+    from mcp import Client
+
+    monkeypatch.setenv("CURRY_TRAIN_ROOT", str(project))
+    (project / "configs" / "llama2-13b.yaml").write_text(yaml.safe_dump(L13), encoding="utf-8")
+    async with Client(mcp, raise_exceptions=True) as c:
+        r = (await c.call_tool("recommend_next", {"config": "llama2-13b", "gpu": "rtx4090"})).structured_content
+        p = (await c.call_tool("plan", {"model": "llama2-13b", "gpus_per_node": 1, "nodes": 1, "gpu_memory_gib": 24,
+                                        "seq_len": 4096, "global_batch": 8, "gpu": "RTX 4090"})).structured_content
+    assert r["gpu_profile"] == "RTX4090" and r["config_patch"] == {} and r["more_gpus_needed"]
+    assert any(o["name"].startswith("QLoRA") and o["fits"] for o in r["one_gpu"]["options"])
+    assert p["fits"] is False and p["one_gpu"]["gpu"] == "RTX4090"
+
+
+def test_the_cli_prints_the_one_gpu_answer(tmp_path):
+    import subprocess
+    import sys
+
+    import yaml
+
+    path = tmp_path / "llama2-13b.yaml"
+    path.write_text(yaml.safe_dump(L13), encoding="utf-8")
+    out = subprocess.run([sys.executable, "-m", "curry_train.cli", "recommend", "--config", str(path), "--gpu",
+                          "rtx4090"], capture_output=True, text=True, check=True, cwd=tmp_path).stdout
+    assert "On one RTX4090" in out and "QLoRA" in out and "outside this template" in out and "host" in out
+    assert "next: none" in out and "recompute', 'selective'" not in out.split("\n")[0]
