@@ -114,3 +114,21 @@ def test_the_cli_prints_the_one_gpu_answer(tmp_path):
                           "rtx4090"], capture_output=True, text=True, check=True, cwd=tmp_path).stdout
     assert "On one RTX4090" in out and "QLoRA" in out and "outside this template" in out and "host" in out
     assert "next: none" in out and "recompute', 'selective'" not in out.split("\n")[0]
+
+
+def test_the_capacity_skill_quotes_the_bytes_per_parameter_of_the_code():
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "skills" / "stage4-capacity-sweep" / "SKILL.md").read_text()
+    rows = {r.split("|")[1].strip(): [c.strip() for c in r.split("|")[2:4]] for r in text.splitlines()
+            if r.startswith("| ") and "per parameter" not in r and not r.startswith("| option")}
+    assert rows["this template (full training)"][0] == f"{beyond.FULL_ADAMW_B:g}"
+    assert rows["LoRA, frozen bf16 base"][0].startswith(f"{beyond.BF16_B:g} (+ {beyond.ADAPTER_B:g} ")
+    assert rows["QLoRA, 4-bit NF4 base"][0].startswith(f"{beyond.NF4_B:.3f} ")
+    assert rows["8-bit AdamW states"][0] == f"{beyond.FULL_ADAMW_B - 8:g} + {beyond.ADAM8BIT_B:.3f}"
+    off, both = rows["CPU offload of the optimizer state"], rows["CPU offload of optimizer state and parameters"]
+    assert off == [f"{beyond.OFFLOAD_OPT_GPU_B:g}", f"{beyond.OFFLOAD_OPT_HOST_B * beyond.HOST_BUFFER_FACTOR:g}"]
+    assert both == [f"{beyond.OFFLOAD_ALL_LAYER_B:g} per largest-layer parameter",
+                    f"{beyond.OFFLOAD_ALL_HOST_B * beyond.HOST_BUFFER_FACTOR:g}"]
+    states = beyond.FULL_ADAMW_B * param_count(from_dict(L13)) / GiB
+    assert f"(about {states:.0f} GiB)" in " ".join(text.split())
