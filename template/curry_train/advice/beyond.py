@@ -5,7 +5,7 @@ options beyond this template's ladder, each with the per-GPU and host memory it 
     python -c "from curry_train.advice.beyond import one_gpu_answer; print(one_gpu_answer('llama3-8b', 'RTX4090').text)"
 
 What fits: the largest model of the config's width x depth family (advice/family.py, scaled down as far as one
-layer of a quarter of the width) with full recompute on one GPU, and, when the model states alone leave room,
+layer of a sixteenth of the width) with full recompute on one GPU, and, when the model states alone leave room,
 the largest micro-batch at the config's sequence and the longest sequence at micro-batch 1.
 
 Beyond the ladder (outside this template: it trains every parameter in fp32 master weights with AdamW and keeps
@@ -51,7 +51,7 @@ LORA_RANK = 16  # adapters on every linear of attention and MLP (q, k, v, o, gat
 OFFLOAD_OPT_GPU_B, OFFLOAD_OPT_HOST_B = 2.0, 16.0
 OFFLOAD_ALL_LAYER_B, OFFLOAD_ALL_HOST_B = 4.0, 18.0
 HOST_BUFFER_FACTOR = 1.5
-SMALLER_WIDTHS = (0.25, 0.375, 0.5, 0.625, 0.75, 0.875, 1.0)
+SMALLER_WIDTHS = (0.0625, 0.125, 0.25, 0.375, 0.5, 0.625, 0.75, 0.875, 1.0)
 SMALLER_DEPTHS = (1e-9, 0.125, 0.25, 0.375, 0.5, 0.625, 0.75, 0.875, 1.0)  # 1e-9: a single layer
 
 
@@ -164,12 +164,10 @@ def what_fits(cfg: Config, usable: int, hw: Any) -> WhatFits:
         if ok:
             best, best_peak = member(sec, param_count(c)), need
             break
-    t = cfg.train
     mb = _largest(1, lambda n: _fits(_single(cfg, micro_batch=n), usable, hw)[0], 1 << 14)
     seq = _largest(1, lambda n: _fits(_single(cfg, micro_batch=1, seq_len=128 * n), usable, hw)[0], 1 << 12)
     return WhatFits(largest_model=best, largest_model_peak_bytes=best_peak, model_state_bytes=_states(e),
-                    max_micro_batch=mb if mb is None or t.seq_len else None, max_seq_len=None if seq is None else
-                    128 * seq)
+                    max_micro_batch=mb, max_seq_len=None if seq is None else 128 * seq)
 
 
 def options(cfg: Config, usable: int, hw: Any) -> list[Option]:
@@ -230,10 +228,10 @@ def one_gpu_answer(config: str | Path | dict[str, Any] | Config, gpu: str | None
     layers = f"{lm.n_layers} layer{'s' * (lm.n_layers > 1)}" if lm else ""
     lines.append(f"  the largest model of this shape: {lm.params / 1e9:.2f}B parameters (d_model {lm.d_model}, "
                  f"{layers}; peak {_gib(fit.largest_model_peak_bytes or 0)})" if lm else
-                 "  no model of this shape, even one layer at a quarter of the width")
+                 "  no model of this shape, even one layer at a sixteenth of the width")
     if fit.max_seq_len is None:
         lines.append(f"  this {n / 1e9:.2f}B model: no micro-batch or sequence length (its model states alone are "
-                     f"{_gib(fit.model_state_bytes)}, 16 B per parameter)")
+                     f"{_gib(fit.model_state_bytes)}, {FULL_ADAMW_B:g} B per parameter)")
     else:
         lines.append(f"  this {n / 1e9:.2f}B model: micro-batch up to {fit.max_micro_batch or 0} at seq_len "
                      f"{cfg.train.seq_len}, seq_len up to {fit.max_seq_len} at micro-batch 1")
