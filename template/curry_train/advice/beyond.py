@@ -52,7 +52,7 @@ OFFLOAD_OPT_GPU_B, OFFLOAD_OPT_HOST_B = 2.0, 16.0
 OFFLOAD_ALL_LAYER_B, OFFLOAD_ALL_HOST_B = 4.0, 18.0
 HOST_BUFFER_FACTOR = 1.5
 SMALLER_WIDTHS = (0.0625, 0.125, 0.25, 0.375, 0.5, 0.625, 0.75, 0.875, 1.0)
-SMALLER_DEPTHS = (1e-9, 0.125, 0.25, 0.375, 0.5, 0.625, 0.75, 0.875, 1.0)  # 1e-9: a single layer
+SMALLER_DEPTHS = (1e-9, 1 / 32, 1 / 16, 0.125, 0.25, 0.375, 0.5, 0.625, 0.75, 0.875, 1.0)  # 1e-9: a single layer
 
 
 class Option(BaseModel):
