@@ -6,8 +6,10 @@ A GPU name (`gpu`) sets BOTH the memory budget and the speed (issue: "fits on A1
 40 GiB, and an 80 GiB budget alone must not silently mean H100 speed). `resolve_gpu` turns (gpu name |
 gpu_memory_gib) into a profile and a sentence saying which profile it used and why; every estimate carries it.
 
-Numbers are vendor datasheet peaks (dense, no sparsity); a probe result (`curry-train probe --measure --json`,
-curry_train.measure.hardware.HardwareReport) overrides them through `from_probe`.
+Numbers are vendor datasheet peaks (dense, no sparsity; each row's source in estimator/datasheets.py); every
+spelling of a name goes through the one resolver, `get_profile` (docs/ESTIMATION.md, "GPU profiles"); a probe
+result (`curry-train probe --measure --json`, curry_train.measure.hardware.HardwareReport) overrides them through
+`from_probe`.
   memory_gib        the device's total memory as nvidia-smi / rocm-smi reports it, in GiB (not marketing GB).
   intra_node_gbps   NCCL bus bandwidth of an all-reduce inside a node (NVIDIA/nccl-tests doc/PERFORMANCE.md
                     defines busbw); about 75-80% of the per-direction NVLink bandwidth on DGX/HGX systems.
@@ -202,8 +204,9 @@ def bf16_note(hw: HardwareProfile, dtype: str) -> str:
     if dtype != "bfloat16" or hw.name not in NO_BF16:
         return ""
     return (f"{hw.name} has no bf16 tensor cores (Volta: fp16 only): the step time uses its fp16 peak "
-            f"({hw.peak_tflops_bf16:g} TFLOP/s), but bf16 is unsupported there (torch emulates it far slower); "
-            "fp16 with loss scaling, which this template does not ship, is what this GPU runs")
+            f"({hw.peak_tflops_bf16:g} TFLOP/s), but bf16 is unsupported there (torch.cuda.is_bf16_supported() is "
+            "False; bf16 kernels that run use no tensor cores); fp16 with loss scaling, which this template does "
+            "not ship, is what this GPU trains in")
 
 
 def guess_profile(device: str, gpu_memory_gib: float) -> HardwareProfile:
