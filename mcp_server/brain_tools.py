@@ -73,8 +73,8 @@ def _memory_png(est: Estimate, cfg: Any, name: str) -> bytes:
 def estimate_memory(
     config: ConfigName,
     overrides: Overrides = {},  # noqa: B006
-    hardware: Annotated[str | None, Field(description="Speed profile for the step-time estimate: A100-40, A100-80, "
-                                                      "H100, H200 or CPU (default: guessed from the config). It "
+    hardware: Annotated[str | None, Field(description=f"Speed profile for the step-time estimate: one of {_NAMES} "
+                                                      "(default: guessed from the config). It "
                                                       "does not change the memory budget, which is the config's "
                                                       "hardware.gpu_memory_gib (set it in overrides); the result's "
                                                       "budget_bytes and hardware_note say which were used.")] = None,

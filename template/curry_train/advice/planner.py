@@ -267,7 +267,7 @@ def plan(model: str | dict[str, Any], gpus_per_node: int = 8, nodes: int = 1, gp
     """Rank every layout of the cluster, pick `final`, and climb to it.
 
     `model` names a config in configs/ (its model section, and its seq_len/global_batch when not given) or is
-    an inline model section dict. `gpu` (A100-40, A100-80, H100, H200, B200, MI300X, L40S, CPU) sets the speed
+    an inline model section dict. `gpu` (estimator.profiles.GPU_NAMES, any spelling) sets the speed
     and the memory budget (capped by gpu_memory_gib when that is smaller); `hardware` names a speed profile only.
     `micro_batch` is kept on every row unless `search_micro_batch` (default: on only when no micro_batch is
     given) lets the search try the powers of two that divide the per-rank batch (a change is stated in
