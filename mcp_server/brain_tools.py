@@ -73,8 +73,8 @@ def _memory_png(est: Estimate, cfg: Any, name: str) -> bytes:
 def estimate_memory(
     config: ConfigName,
     overrides: Overrides = {},  # noqa: B006
-    hardware: Annotated[str | None, Field(description="Speed profile for the step-time estimate: A100-40, A100-80, "
-                                                      "H100, H200 or CPU (default: guessed from the config). It "
+    hardware: Annotated[str | None, Field(description=f"Speed profile for the step-time estimate: one of {_NAMES} "
+                                                      "(default: guessed from the config). It "
                                                       "does not change the memory budget, which is the config's "
                                                       "hardware.gpu_memory_gib (set it in overrides); the result's "
                                                       "budget_bytes and hardware_note say which were used.")] = None,
@@ -120,7 +120,8 @@ def recommend_next(
     node, PP only across nodes, EP only for MoE, CP only for long sequences; it says when only more GPUs help.
     `evidence` says what shows an OOM (estimate, measurement, a reported OOM inside the estimator's error band, or
     unconfirmed: then `if_confirmed` is the rung to take once a measurement confirms it); `improvement` marks an
-    optional speed-up of a layout that fits and runs."""
+    optional speed-up of a layout that fits and runs. When only more GPUs help, `one_gpu` says what fits on one GPU
+    and the options outside this template (LoRA, QLoRA, 8-bit AdamW, CPU/NVMe offload) with their memory."""
     from curry_train.advice.advisor import recommend_next as advise
     from curry_train.estimator.profiles import gpu_budget
     from curry_train.measure.service import resolve
@@ -215,7 +216,8 @@ async def capacity_sweep(
     """Under each rung of the ladder (one device, + recompute, DDP, ZeRO-1/2/3, + TP, + PP), the largest
     micro-batch and the largest model of the config's width x depth family that fit the per-rank budget
     (hardware.gpu_memory_gib). Use it to find where single-device training stops fitting and which rung a
-    target model size needs, before picking a primitive."""
+    target model size needs, before picking a primitive. When the config's model fits under no rung, `one_gpu`
+    gives the largest model of its shape that fits and the options outside this template, with their memory."""
     args = {"config": config, "overrides": overrides, "rungs": rungs, "max_micro_batch": max_micro_batch,
             "max_runs_per_rung": max_runs_per_rung}
     _validate(config, overrides)

@@ -23,7 +23,9 @@ from curry_train.estimator.profiles import (
 
 
 def test_every_named_gpu_has_a_budget_a_speed_and_a_source():
-    assert set(GPU_NAMES) == {"A100-40", "A100-80", "H100", "H200", "B200", "MI300X", "L40S", "CPU"}
+    assert set(GPU_NAMES) == {"RTX4090", "RTX3090", "A6000", "L4", "A10", "A10G", "V100-16", "V100-32", "A100-40",
+                              "A100-80", "A100-40-PCIe", "A100-80-PCIe", "H100", "H100-PCIe", "H100-NVL", "H800",
+                              "H200", "B200", "GB200", "MI250X", "MI300X", "L40S", "M2-Ultra", "CPU"}
     for name, p in PROFILES.items():
         assert p.memory_gib > 0 and p.peak_tflops_bf16 > 0 and p.mem_bw_gbps > 0 and p.gpus_per_node >= 1
         assert p.intra_node_gbps >= p.inter_node_gbps > 0 and p.reference, name

@@ -60,7 +60,8 @@ it); this one holds the public API and the result models and re-exports the othe
   peak.py       the per-rank peak: the largest moment
   init.py       the init peak (meta-device build, then local shards one parameter at a time)
   need.py       what a layout needs per rank (step and init peak), every pipeline rank: what `fits` reads
-  profiles.py   hardware profiles (peak FLOP/s, bandwidths) for the time model
+  datasheets.py where each hardware profile's numbers come from (one source string per profile)
+  profiles.py   hardware profiles (peak FLOP/s, bandwidths) for the time model; the one GPU-name resolver
   makespan.py   the step's makespan: each rank's schedule order run with per-stage costs, the bubble
   comm.py       collectives per step and the step time (CommItem, StepTime)
 `fits` needs both the step peak and the init peak under the usable budget.
@@ -96,6 +97,7 @@ from curry_train.estimator.profiles import (
     GPU_NAMES,
     HardwareProfile,
     UnknownGpu,
+    bf16_note,
     check_cluster,
     from_device_name,
     from_probe,
@@ -164,7 +166,8 @@ class Estimate(BaseModel):
     dtype_policy: str
     assumptions: list[str]
     warnings: list[str] = Field(default_factory=list, description="Primitives this layout turns on that do nothing "
-                                "(curry_train/layout_warnings.py), e.g. a ZeRO stage at dp=1.")
+                                "(curry_train/layout_warnings.py), e.g. a ZeRO stage at dp=1; a dtype the GPU "
+                                "lacks (bf16 on V100).")
 
 
 # ----------------------------------------------------------------------------------------------- memory
@@ -298,7 +301,8 @@ def estimate(cfg: Config, *, hardware: str | HardwareProfile | None = None,
                     flops_per_token=flops_per_token(cfg), hardware_flops_per_token=hardware_flops_per_token(cfg),
                     communication=items, step_time=step, hardware=hw, gpu_profile=hw.name,
                     hardware_note=_hardware_note(cfg, gpu, hardware, hw), dtype_policy=dtype_policy(cfg),
-                    assumptions=[n for n in notes if n], warnings=layout_warnings(cfg))
+                    assumptions=[n for n in notes if n],
+                    warnings=layout_warnings(cfg) + [w for w in [bf16_note(hw, cfg.train.dtype)] if w])
 
 
 def load_any(config: str | Path | dict[str, Any] | Config, overrides: dict[str, Any] | None = None, *,
