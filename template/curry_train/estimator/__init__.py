@@ -153,7 +153,8 @@ class Estimate(BaseModel):
     model_state_bytes_per_param: float = Field(
         description="model_state_bytes / param_count: 16 for DDP, 16/d under ZeRO-3 (the ZeRO paper's Fig. 1).")
     active_params_per_token: int = Field(description="Matmul parameters one token passes through (MoE: top-k).")
-    flops_per_token: float = Field(description="Model FLOPs per token, fwd+bwd (PaLM: 6N + 12 L H Dh s).")
+    flops_per_token: float = Field(description="Model FLOPs per token, fwd+bwd: 6N + 6 L H Dh s (causal half, "
+                                               "no recompute; step_time.mfu_convention).")
     hardware_flops_per_token: float = Field(description="Executed FLOPs per token: causal attention, recompute.")
     communication: list[CommItem]
     step_time: StepTime
