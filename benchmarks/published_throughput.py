@@ -161,6 +161,14 @@ def run_row(name: str, preset: str, gpu: str, overrides: dict[str, Any], publish
             "mfu": st.mfu, "hfu": getattr(st, "hfu", None), "fits": e.fits, "source": source}
 
 
+def markdown_row(r: dict[str, Any]) -> str:
+    """One row of docs/ESTIMATION.md's table (tests/test_published_throughput.py holds the doc to these)."""
+    unit = "TFLOP/s (Eq. 3)" if r["convention"] == "eq3" else "tokens/s"
+    extras = f", x{r['extras_factor']:.2f} extras" if r["extras_factor"] != 1 else ""
+    return (f"| {r['row']} | {r['gpus']} | {r['layout']} | {unit}{extras} | {r['published']:g} | "
+            f"{r['estimated']:.0f} | {r['rel_error']:+.1%} |")
+
+
 def _extras(factor: float) -> str:
     return f"x{factor:.2f}" if factor != 1 else "-"
 
@@ -168,8 +176,13 @@ def _extras(factor: float) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", action="store_true", help="print only the final JSON line")
+    ap.add_argument("--markdown", action="store_true", help="print the rows as docs/ESTIMATION.md's table")
     a = ap.parse_args(argv)
     rows = [run_row(*r) for r in ROWS]
+    if a.markdown:
+        print("| run | GPUs | layout | convention | published | estimate | error |\n|---|---|---|---|---|---|---|")
+        print("\n".join(markdown_row(r) for r in rows))
+        return 0
     if not a.json:
         print(f"{'row':24s}{'gpus':>6s}  {'layout':46s}{'conv':>7s}{'published':>11s}{'estimate':>10s}"
               f"{'error':>8s}{'extras':>8s}{'MFU':>7s}  source")
