@@ -20,13 +20,7 @@ import math
 from pydantic import BaseModel, Field
 
 from curry_train.estimator.acts import _acts, _moe_slots
-from curry_train.estimator.compute import (
-    attention_efficiency,
-    elementwise_bytes,
-    head_efficiency,
-    linear_efficiency,
-    param_pass_bytes,
-)
+from curry_train.estimator.compute import block_rates
 from curry_train.estimator.layout import (
     MFU_CONVENTION,
     Layout,
@@ -270,11 +264,10 @@ def _stage_costs(layout: Layout, hw: HardwareProfile) -> tuple[float, float, flo
     linear = tokens * (hardware_flops_per_token(layout) - head_tok - attn_tok) / layout.tp
     attn_peak = hw.peak_flops(ring_attention_dtype(layout)) if layout.cp > 1 else peak
     n_block = sum(d0 * rest for d0, rest, _, _ in _block_tensors(layout))  # one block's local parameters (before FSDP)
-    blocks = linear / (peak * linear_efficiency(layout, hw)) + \
-        tokens * attn_tok / layout.tp / (attn_peak * attention_efficiency(layout, hw)) + \
-        (tokens * layout.n_layers * elementwise_bytes(layout) +
-         layout.n_micro_batches * layout.n_layers * n_block * param_pass_bytes(layout)) / bw
-    head = tokens * head_tok / layout.tp / (peak * head_efficiency(layout, hw)) + \
+    lin_eff, head_eff, attn_eff, elem_bytes, param_bytes = block_rates(layout, hw)
+    blocks = linear / (peak * lin_eff) + tokens * attn_tok / layout.tp / (attn_peak * attn_eff) + \
+        (tokens * layout.n_layers * elem_bytes + layout.n_micro_batches * layout.n_layers * n_block * param_bytes) / bw
+    head = tokens * head_tok / layout.tp / (peak * head_eff) + \
         tokens * 16.0 * layout.vocab_size / layout.tp / bw
     embed = layout.n_micro_batches * 8.0 * layout.vocab_size * layout.d_model / layout.tp / bw
     return blocks, head, embed

@@ -25,6 +25,9 @@ step:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from functools import lru_cache
+
 from curry_train.estimator.layout import Layout
 from curry_train.estimator.profiles import HardwareProfile
 
@@ -50,14 +53,14 @@ def gemm_efficiency(m: float, k: float, n: float, peak: float, mem_bw: float, ce
 
 
 def _linears(layout: Layout) -> list[tuple[float, float, float]]:
-    """(M tokens, K, N) of one block's Linears on one rank, weighted by how often each shape runs: TP-local widths
-    (colwise splits N, rowwise K); an MoE expert sees top_k / num_experts of the tokens (uniform routing)."""
+    """(M tokens, K, N) of one block's Linears on one rank: TP-local widths (colwise splits N, rowwise K); a local
+    MoE expert sees top_k / num_experts of the tokens of the ep ranks its all-to-all gathers (uniform routing)."""
     M = float(layout.micro_batch_tokens)
     D, t, Dh = layout.d_model, layout.tp, layout.head_dim
     q, kv = layout.n_heads * Dh / t, layout.n_kv_heads * Dh / t
     out = [(M, D, q), (M, D, kv), (M, D, kv), (M, q, D)]
     if layout.num_experts:
-        Me = max(1.0, M * layout.top_k / layout.num_experts)
+        Me = max(1.0, M * layout.top_k * layout.ep / layout.num_experts)
         F = layout.d_ff
         out += [(Me, D, F)] * 2 + [(Me, F, D)]
     else:
@@ -137,3 +140,69 @@ def param_pass_bytes(layout: Layout) -> float:
     if layout.precision == "autocast":
         return 6.0 * (2 if layout.recompute == "full" else 1) + 18.0
     return 2.0 if layout.precision == "mp" else 8.0
+
+
+def block_rates(layout: Layout, hw: HardwareProfile) -> tuple[float, float, float, float, float]:
+    """(linear, head and attention efficiency, element-wise bytes per token per layer, bytes per parameter per
+    micro-batch) of a layout on a profile, cached on the fields they read: the planner asks for thousands of
+    candidates that share a handful of shapes."""
+    return _rates(layout.micro_batch, layout.seq_len, layout.cp, layout.tp, layout.ep, layout.sp, layout.d_model,
+                  layout.n_heads, layout.n_kv_heads, layout.d_ff, layout.num_experts, layout.top_k,
+                  layout.vocab_size, layout.dtype, layout.precision, layout.recompute, hw.peak_tflops_bf16,
+                  hw.peak_tflops_fp32, hw.mem_bw_gbps, hw.efficiency, hw.attention_efficiency)
+
+
+@lru_cache(maxsize=4096)
+def _rates(mb: int, s: int, cp: int, tp: int, ep: int, sp: bool, D: int, H: int, G: int, F: int, E: int, K: int, V: int,
+           dtype: str, precision: str, recompute: str, bf16: float, fp32: float, bw: float, eff: float,
+           attn: float) -> tuple[float, float, float, float, float]:
+    x = _Shape(micro_batch=mb, seq_len=s, cp=cp, tp=tp, ep=ep, sp=sp, d_model=D, n_heads=H, n_kv_heads=G, d_ff=F,
+               num_experts=E, top_k=K, vocab_size=V, dtype=dtype, precision=precision, recompute=recompute)
+    hw = _Speed(peak_tflops_bf16=bf16, peak_tflops_fp32=fp32, mem_bw_gbps=bw, efficiency=eff,
+                attention_efficiency=attn)
+    return (linear_efficiency(x, hw), head_efficiency(x, hw), attention_efficiency(x, hw),  # type: ignore[arg-type]
+            elementwise_bytes(x), param_pass_bytes(x))  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """The Layout fields the rates read (a Layout stand-in for the cache)."""
+
+    micro_batch: int
+    seq_len: int
+    cp: int
+    tp: int
+    ep: int
+    sp: bool
+    d_model: int
+    n_heads: int
+    n_kv_heads: int
+    d_ff: int
+    num_experts: int
+    top_k: int
+    vocab_size: int
+    dtype: str
+    precision: str
+    recompute: str
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def micro_batch_tokens(self) -> int:
+        return self.micro_batch * (self.seq_len // self.cp)
+
+
+@dataclass(frozen=True)
+class _Speed:
+    """The HardwareProfile fields the rates read."""
+
+    peak_tflops_bf16: float
+    peak_tflops_fp32: float
+    mem_bw_gbps: float
+    efficiency: float
+    attention_efficiency: float
+
+    def peak_flops(self, dtype: str) -> float:
+        return (self.peak_tflops_bf16 if dtype == "bfloat16" else self.peak_tflops_fp32) * 1e12
