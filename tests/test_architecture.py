@@ -210,7 +210,7 @@ def test_every_module_belongs_to_a_layer():
 # states -> activations -> pipeline schedule -> the moments of the step -> peak -> need -> time. A file imports
 # only the files before it.
 ESTIMATOR_ORDER = ("layout", "states", "acts", "pipeline", "moments", "phases", "peak", "init", "need", "datasheets",
-                   "profiles", "makespan", "comm")
+                   "profiles", "compute", "makespan", "comm")
 
 
 def test_the_estimator_computes_in_one_direction():

@@ -54,7 +54,8 @@ def _human_estimate(e: Any) -> str:
               f"{human_flops(e.flops_per_token)}/token"),
              (f"  step {e.step_time.total_s:.3g} s on {e.hardware.name}: compute {e.step_time.compute_s:.3g} s, "
               f"bubble {e.step_time.bubble_s:.3g} s, exposed comm {e.step_time.comm_exposed_s:.3g} s; "
-              f"MFU {e.step_time.mfu:.1%}"),
+              f"MFU {e.step_time.mfu:.1%}, HFU {e.step_time.hfu:.1%}"),
+             f"  ({e.step_time.mfu_convention})",
              f"  hardware: {e.hardware_note}",
              f"  dtype policy: {e.dtype_policy}"]
     for c in e.communication:

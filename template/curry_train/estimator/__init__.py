@@ -46,7 +46,8 @@ the schedule's fullest backward starts); `memory` reports the components live at
 rank with the largest total (every other axis is symmetric; ZeRO-1 and FSDP padding take rank 0's share, the
 largest). Checked against curry_train.measure.memory on 39 tiny layouts (benchmarks/estimator_accuracy.py): model
 states exact, median total error < 0.1%. Communication uses ring factors and alpha-beta times per link (intra
-vs inter node); step time = compute at the profile's efficiency + bubble + exposed communication + optimizer.
+vs inter node); step time = compute (compute.py: GEMMs by shape, attention, element-wise bytes) + bubble + exposed
+communication + optimizer.
 
 Files, in the one direction they compute (each imports only files above it; tests/test_architecture.py checks
 it); this one holds the public API and the result models and re-exports the others:
@@ -61,7 +62,9 @@ it); this one holds the public API and the result models and re-exports the othe
   init.py       the init peak (meta-device build, then local shards one parameter at a time)
   need.py       what a layout needs per rank (step and init peak), every pipeline rank: what `fits` reads
   datasheets.py where each hardware profile's numbers come from (one source string per profile)
-  profiles.py   hardware profiles (peak FLOP/s, bandwidths) for the time model; the one GPU-name resolver
+  profiles.py   hardware profiles (peak FLOP/s, bandwidths, GEMM and attention ceilings) for the time model; the one
+                GPU-name resolver
+  compute.py    per-rank compute time: GEMMs by TP-local shape, fused attention by block, element-wise bytes
   makespan.py   the step's makespan: each rank's schedule order run with per-stage costs, the bubble
   comm.py       collectives per step and the step time (CommItem, StepTime)
 `fits` needs both the step peak and the init peak under the usable budget.
@@ -155,7 +158,8 @@ class Estimate(BaseModel):
     model_state_bytes_per_param: float = Field(
         description="model_state_bytes / param_count: 16 for DDP, 16/d under ZeRO-3 (the ZeRO paper's Fig. 1).")
     active_params_per_token: int = Field(description="Matmul parameters one token passes through (MoE: top-k).")
-    flops_per_token: float = Field(description="Model FLOPs per token, fwd+bwd (PaLM: 6N + 12 L H Dh s).")
+    flops_per_token: float = Field(description="Model FLOPs per token, fwd+bwd: 6N + 6 L H Dh s (causal half, "
+                                               "no recompute; step_time.mfu_convention).")
     hardware_flops_per_token: float = Field(description="Executed FLOPs per token: causal attention, recompute.")
     communication: list[CommItem]
     step_time: StepTime

@@ -15,8 +15,15 @@ result (`curry-train probe --measure --json`, curry_train.measure.hardware.Hardw
                     defines busbw); about 75-80% of the per-direction NVLink bandwidth on DGX/HGX systems.
   inter_node_gbps   bus bandwidth per GPU across nodes: one NIC per GPU on DGX/HGX (HDR 200 Gb/s = 25 GB/s,
                     NDR 400 Gb/s = 50 GB/s per direction), about 90% of it achieved.
-`efficiency` is the fraction of peak a well-shaped GEMM-dominated step reaches (MFU 0.3-0.5 is typical:
-torchtitan reports 33-39% for Llama 3 8B on H100, Megatron-LM up to 47%; Narayanan et al. 2021 44-52% on A100).
+  efficiency        the fraction of the dense peak the best-shaped bf16 GEMM reaches: the maximum achievable matmul
+                    FLOP/s (MAMF) of stas00/ml-engineering compute/accelerator/README.md, "Maximum Achievable Matmul
+                    FLOPS comparison table" (A100 SXM 86.9%, H100 SXM 80.3%, GH200 83.6%, MI300X 60.1%, B200 77.6%);
+                    0.80 where no measurement is published. estimator/compute.py lowers it by each GEMM's shape.
+  attention_efficiency  the fraction of peak a fused causal attention (fwd + bwd) reaches at long sequences: 0.60
+                    for FlashAttention-2 on Ampere (Dao 2023, "FlashAttention-2", §4: 50-73% of peak forward, less
+                    backward), 0.35 on Hopper and later, where FlashAttention-2 (torch's SDPA flash backend) does not
+                    use the new tensor-core instructions (Shah et al. 2024, "FlashAttention-3", §1: "only 35%
+                    utilization on H100"); the generic default is the Hopper figure.
 """
 
 from __future__ import annotations
@@ -42,7 +49,10 @@ class HardwareProfile(BaseModel):
     alpha_intra_us: float = Field(description="Per-hop latency inside a node, microseconds.")
     alpha_inter_us: float = Field(description="Per-hop latency across nodes, microseconds.")
     gpus_per_node: int = Field(8, description="Accelerators per node of the usual server (DGX/HGX/OAM: 8).")
-    efficiency: float = Field(0.45, description="Achieved fraction of peak FLOP/s for the model's GEMMs.")
+    efficiency: float = Field(0.80, description="Fraction of peak the best-shaped GEMM reaches (MAMF); "
+                              "estimator/compute.py lowers it by each GEMM's shape.")
+    attention_efficiency: float = Field(0.35, description="Fraction of peak of fused causal attention (fwd + bwd) "
+                                        "at long sequences (FlashAttention-2 class kernel).")
     source: str = Field("datasheet", description="datasheet, or probe when measured numbers replaced it.")
     reference: str = Field("", description="Where the datasheet numbers come from.")
 
@@ -85,60 +95,63 @@ PROFILES: dict[str, HardwareProfile] = {
         HardwareProfile(name="V100-32", memory_gib=31.75, peak_tflops_bf16=125, peak_tflops_fp32=15.7,
                         mem_bw_gbps=900, intra_node_gbps=130, inter_node_gbps=5.6, alpha_intra_us=8,
                         alpha_inter_us=15),
-        # 40960 / 81920 MiB; PCIe boards, NVLink bridges join pairs only
+        # 40960 / 81920 MiB; PCIe boards, NVLink bridges join pairs only. The GEMM and attention ceilings are the
+        # SXM part's (same GA100 die; an ASSUMPTION: no PCIe MAMF is published)
         HardwareProfile(name="A100-40-PCIe", memory_gib=40.0, peak_tflops_bf16=312, peak_tflops_fp32=19.5,
                         mem_bw_gbps=1555, intra_node_gbps=20, inter_node_gbps=11, alpha_intra_us=10,
-                        alpha_inter_us=20),
+                        alpha_inter_us=20, efficiency=0.869,
+                        attention_efficiency=0.60),
         HardwareProfile(name="A100-80-PCIe", memory_gib=80.0, peak_tflops_bf16=312, peak_tflops_fp32=19.5,
                         mem_bw_gbps=1935, intra_node_gbps=20, inter_node_gbps=11, alpha_intra_us=10,
-                        alpha_inter_us=20),
-        # 81559 MiB; PCIe Gen5
+                        alpha_inter_us=20, efficiency=0.869,
+                        attention_efficiency=0.60),
+        # 81559 MiB; PCIe Gen5. H100 PCIe, NVL and H800 take the H100 SXM's GEMM ceiling (same GH100 die; an
+        # ASSUMPTION: no MAMF is published for them)
         HardwareProfile(name="H100-PCIe", memory_gib=79.6, peak_tflops_bf16=756, peak_tflops_fp32=51,
                         mem_bw_gbps=2000, intra_node_gbps=40, inter_node_gbps=23, alpha_intra_us=10,
-                        alpha_inter_us=15),
+                        alpha_inter_us=15, efficiency=0.803),
         # 95830 MiB
         HardwareProfile(name="H100-NVL", memory_gib=93.58, peak_tflops_bf16=835, peak_tflops_fp32=60,
                         mem_bw_gbps=3900, intra_node_gbps=40, inter_node_gbps=23, alpha_intra_us=10,
-                        alpha_inter_us=15),
+                        alpha_inter_us=15, efficiency=0.803),
         # 81559 MiB; H100 compute with NVLink cut to 400 GB/s bidirectional (busbw scaled 360 x 400/900)
         HardwareProfile(name="H800", memory_gib=79.6, peak_tflops_bf16=989, peak_tflops_fp32=67,
                         mem_bw_gbps=3350, intra_node_gbps=160, inter_node_gbps=45, alpha_intra_us=6,
-                        alpha_inter_us=12),
+                        alpha_inter_us=12, efficiency=0.803),
         # 40960 MiB; the 40 GB SXM4 part runs HBM2 at 1,555 GB/s
         HardwareProfile(name="A100-40", memory_gib=40.0, peak_tflops_bf16=312, peak_tflops_fp32=19.5,
                         mem_bw_gbps=1555, intra_node_gbps=230, inter_node_gbps=23, alpha_intra_us=8,
-                        alpha_inter_us=15),
+                        alpha_inter_us=15, efficiency=0.869, attention_efficiency=0.60),
         # 81920 MiB
         HardwareProfile(name="A100-80", memory_gib=80.0, peak_tflops_bf16=312, peak_tflops_fp32=19.5,
                         mem_bw_gbps=2039, intra_node_gbps=230, inter_node_gbps=23, alpha_intra_us=8,
-                        alpha_inter_us=15),
+                        alpha_inter_us=15, efficiency=0.869, attention_efficiency=0.60),
         # 81559 MiB (H100 80GB HBM3, SXM5)
         HardwareProfile(name="H100", memory_gib=79.6, peak_tflops_bf16=989, peak_tflops_fp32=67,
                         mem_bw_gbps=3350, intra_node_gbps=360, inter_node_gbps=45, alpha_intra_us=6,
-                        alpha_inter_us=12),
+                        alpha_inter_us=12, efficiency=0.803),
         # 143771 MiB
         HardwareProfile(name="H200", memory_gib=140.4, peak_tflops_bf16=989, peak_tflops_fp32=67,
                         mem_bw_gbps=4800, intra_node_gbps=360, inter_node_gbps=45, alpha_intra_us=6,
-                        alpha_inter_us=12),
+                        alpha_inter_us=12, efficiency=0.803),
         # 183359 MiB; NVLink5 doubles NVLink4's bandwidth
         HardwareProfile(name="B200", memory_gib=179.1, peak_tflops_bf16=2250, peak_tflops_fp32=75,
                         mem_bw_gbps=8000, intra_node_gbps=720, inter_node_gbps=45, alpha_intra_us=6,
-                        alpha_inter_us=12),
+                        alpha_inter_us=12, efficiency=0.776),
         # the datasheet's 186 GB (NVL72: 13.4 TB over 72 GPUs) in GiB, not a measured size; one NVLink domain of 72
         HardwareProfile(name="GB200", memory_gib=173.2, peak_tflops_bf16=2500, peak_tflops_fp32=80,
                         mem_bw_gbps=8000, intra_node_gbps=720, inter_node_gbps=90, alpha_intra_us=6,
                         alpha_inter_us=12, gpus_per_node=72),
         # one Graphics Compute Die (GCD): torch sees each MI250X as two 64 GB devices, so the profile is per GCD;
-        # efficiency 0.35 as MI300X's (an ASSUMPTION)
+        # efficiency: MI300X's MAMF share (60.1%), an ASSUMPTION (no MI250X MAMF is published)
         HardwareProfile(name="MI250X", memory_gib=64.0, peak_tflops_bf16=191.5, peak_tflops_fp32=23.95,
                         mem_bw_gbps=1638, intra_node_gbps=50, inter_node_gbps=11, alpha_intra_us=8,
-                        alpha_inter_us=15, efficiency=0.35),
-        # 205822885888 B (rocm-smi); RCCL all-reduce busbw inside the 8-GPU platform ~300 GB/s. efficiency 0.35 is
-        # an ASSUMPTION: public single-GPU BF16 training comparisons show MI300X reaching a lower share of its
-        # peak than H100/H200 (slower than H200 on an 8B model despite 1.32x the peak); a probe overrides it
+                        alpha_inter_us=15, efficiency=0.601),
+        # 205822885888 B (rocm-smi); RCCL all-reduce busbw inside the 8-GPU platform ~300 GB/s. efficiency: its
+        # MAMF, 60.1% of peak (ROCm 6.2), far below H100's share; a probe overrides it
         HardwareProfile(name="MI300X", memory_gib=191.7, peak_tflops_bf16=1307.4, peak_tflops_fp32=163.4,
                         mem_bw_gbps=5300, intra_node_gbps=300, inter_node_gbps=45, alpha_intra_us=8,
-                        alpha_inter_us=15, efficiency=0.35),
+                        alpha_inter_us=15, efficiency=0.601),
         # 46068 MiB; collectives inside the node go over PCIe (~20 GB/s busbw)
         HardwareProfile(name="L40S", memory_gib=45.0, peak_tflops_bf16=362, peak_tflops_fp32=91.6,
                         mem_bw_gbps=864, intra_node_gbps=20, inter_node_gbps=11, alpha_intra_us=10,
