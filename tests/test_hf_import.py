@@ -97,7 +97,7 @@ def test_pasted_json_and_refusal_of_qwen2_biases_without_accept(tmp_path):
         import_hf_config(json.dumps(QWEN2_72B), "q", root=root)
     (p,) = e.value.problems
     assert p.fields == ["config.json:attention_bias"] and "819,200 parameters" in p.message
-    assert "accept=['attention_bias']" in p.fix
+    assert "accept=['attention_bias']" in p.fix and "--accept attention_bias" in p.fix
     assert not (root / "configs" / "q.yaml").exists()  # refused: nothing written
     out = import_hf_config(json.dumps(QWEN2_72B), "q", accept=["attention_bias"], root=root)
     assert [d.field for d in out.accepted] == ["attention_bias (Qwen2 q/k/v always biased)"]

@@ -51,6 +51,9 @@ def read_hf_json(path_or_json: str) -> dict[str, Any]:
         p = Path(text).expanduser()
         if p.is_dir():
             p = p / "config.json"
+        if p.suffix != ".json":  # a tool argument must not turn into a read of any file on this machine
+            raise ConfigError([Problem(fields=["path_or_json"], message=f"{text!r} is not a .json file",
+                                       fix="pass the path of the model's config.json (or its folder), or its JSON")])
         if not p.is_file():
             raise ConfigError([Problem(fields=["path_or_json"], message=f"{text!r} is neither JSON nor a file",
                                        fix="pass the path of a config.json (or its folder), or paste its JSON")])
@@ -125,8 +128,8 @@ def import_hf_config(path_or_json: str, name: str, *, accept: list[str] | None =
         if d.structural or key not in accept:
             extra = f" ({d.params:,} parameters)" if d.params else ""
             fix = ("not expressible in this template; import another model or write the model section by hand"
-                   if d.structural else f"pass accept=[{key!r}] to import without it, if that difference is "
-                                        "acceptable for your purpose")
+                   if d.structural else f"accept it (accept=[{key!r}], CLI --accept {key}) to import without "
+                                        "it, if that difference does not matter for your purpose")
             problems.append(Problem(fields=[f"config.json:{key}"], message=f"{d.value!r}: {d.reason}{extra}",
                                     fix=fix))
     if problems:

@@ -20,10 +20,12 @@ STRATEGY = {2: "optim_grads", 3: "optim_grads_params"}
 
 
 def _model_args(cfg: Config) -> list[str]:
+    """The model's shape; --vocab-size is V - 1 because NullTokenizer adds its end-of-document id on top
+    (megatron/training/tokenizer/tokenizer.py, _NullTokenizer.vocab_size), and divisible-by 1 keeps it V."""
     m, t = cfg.model, cfg.train
     args = ["--num-layers", m.n_layers, "--hidden-size", m.d_model, "--ffn-hidden-size", m.d_ff,
             "--num-attention-heads", m.n_heads, "--seq-length", t.seq_len, "--max-position-embeddings",
-            t.seq_len, "--tokenizer-type", "NullTokenizer", "--vocab-size", m.vocab_size,
+            t.seq_len, "--tokenizer-type", "NullTokenizer", "--vocab-size", m.vocab_size - 1,
             "--make-vocab-size-divisible-by", 1, "--swiglu",
             "--normalization", "RMSNorm", "--norm-epsilon", m.norm_eps, "--position-embedding-type", "rope",
             "--rotary-base", int(m.rope_theta) if float(m.rope_theta).is_integer() else m.rope_theta,
