@@ -11,6 +11,7 @@ Mixtral-8x7B 46.7B (mistralai/Mixtral-8x7B-v0.1; Jiang et al. 2024, arXiv:2401.0
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import yaml
@@ -59,6 +60,9 @@ GEMMA_7B = {**_COMMON, "architectures": ["GemmaForCausalLM"], "attention_bias": 
 del GEMMA_7B["tie_word_embeddings"]  # Gemma's config.json leaves it out: GemmaConfig defaults it to True
 
 
+INTEROP_DOC = (Path(__file__).resolve().parents[1] / "docs" / "INTEROP.md").read_text(encoding="utf-8")
+
+
 def _write(tmp_path, raw: dict) -> str:
     d = tmp_path / "hf"
     d.mkdir(exist_ok=True)
@@ -81,6 +85,7 @@ def test_published_models_import_to_their_parameter_count(tmp_path, raw, accept,
     est = estimate_memory(written)
     assert est.param_count == out.param_count
     assert abs(est.param_count + out.param_count_of_accepted - published) / published < 0.01
+    assert f"{est.param_count:,}" in INTEROP_DOC  # the page quotes the count this import gives
     m = written["model"]
     assert (m["d_model"], m["n_layers"], m["n_heads"], m["n_kv_heads"], m["d_ff"], m["vocab_size"]) == (
         raw["hidden_size"], raw["num_hidden_layers"], raw["num_attention_heads"], raw["num_key_value_heads"],
