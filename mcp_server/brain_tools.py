@@ -270,7 +270,7 @@ async def import_hf_config(
         out = do_import(path_or_json, name, accept=accept, seq_len=seq_len, root=root())
     except (ConfigError, UnsafeName, FileNotFoundError) as e:
         raise tool_error(e) from None
-    if out.update.created:
+    if out.created:
         from .resources import announce_config
 
         await announce_config(out.name, ctx)

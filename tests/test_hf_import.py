@@ -111,7 +111,7 @@ def test_pasted_json_and_refusal_of_qwen2_biases_without_accept(tmp_path):
 
 def test_sliding_window_is_exact_up_to_its_length_and_refused_beyond(tmp_path):
     root = _root(tmp_path)
-    assert import_hf_config(json.dumps(MISTRAL_7B), "m", seq_len=4096, root=root).update.config["train"][
+    assert import_hf_config(json.dumps(MISTRAL_7B), "m", seq_len=4096, root=root).config["train"][
         "seq_len"] == 4096
     with pytest.raises(ConfigError) as e:
         import_hf_config(json.dumps(MISTRAL_7B), "m8", seq_len=8192, root=root)
@@ -165,5 +165,5 @@ def test_reimport_keeps_the_layout_and_resets_the_model(tmp_path):
 
     update_config("x", {"parallel.dp": 8, "parallel.zero": 3, "train.global_batch": 16}, root=root)
     out = import_hf_config(json.dumps(LLAMA3_8B), "x", root=root)
-    assert out.update.config["parallel"]["dp"] == 8 and out.update.config["model"]["num_experts"] == 0
+    assert out.config["parallel"]["dp"] == 8 and out.config["model"]["num_experts"] == 0
     assert len(history("x", root)) == 2  # each replaced version kept

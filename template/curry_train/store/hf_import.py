@@ -23,7 +23,7 @@ from pydantic import BaseModel, Field
 from curry_train.config import ConfigError, ModelConfig, Problem, from_dict, load_yaml
 from curry_train.estimator import param_count
 from curry_train.paths import config_path
-from curry_train.store.configs import ConfigUpdate, update_config
+from curry_train.store.configs import update_config
 from curry_train.store.hf_families import FAMILIES, MAPPED, MOE_FIELDS, REQUIRED, Difference, differences
 
 DEFAULT_SEQ_LEN = 4096  # the sequence length an import trains when none is given (capped by the model's context)
@@ -41,7 +41,9 @@ class HfImport(BaseModel):
     param_count: int = Field(description="Parameters of the written config, as estimate_memory counts them.")
     param_count_of_accepted: int = Field(description="Parameters the accepted differences account for: the "
                                                      "config.json's model has param_count + this many.")
-    update: ConfigUpdate = Field(description="What update_config wrote (diff against the defaults).")
+    created: bool = Field(description="True when configs/<name>.yaml did not exist before.")
+    previous_version: str | None = Field(None, description="Where the replaced version was saved (history).")
+    config: dict[str, Any] = Field(description="The resolved config now in the file.")
 
 
 def read_hf_json(path_or_json: str) -> dict[str, Any]:
@@ -141,4 +143,5 @@ def import_hf_config(path_or_json: str, name: str, *, accept: list[str] | None =
     accepted = [by_field[a] for a in accept]
     return HfImport(name=upd.name, path=upd.path, model_type=family, mapped=mapped, defaults_taken=taken,
                     accepted=accepted, param_count=param_count(from_dict(upd.config)),
-                    param_count_of_accepted=sum(d.params for d in accepted), update=upd)
+                    param_count_of_accepted=sum(d.params for d in accepted), created=upd.created,
+                    previous_version=upd.previous_version, config=upd.config)
