@@ -40,7 +40,7 @@ def render(cfg: Config, est: Estimate) -> Rendered:
     if flavor is None or m.num_experts:
         gaps.append("[model] flavor: torchtitan builds a model from a registered flavor (model name + flavor); "
                     "no llama3 flavor has these dims, so register one with them (the file names 'custom')")
-    par: dict = {"data_parallel_replicate_degree": p.dp * p.cp if p.zero == 0 else p.dp_replicate,
+    par: dict = {"data_parallel_replicate_degree": p.dp if p.zero == 0 else p.dp_replicate,
                  "data_parallel_shard_degree": 1 if p.zero == 0 else dp_shard_group(cfg) // p.cp,
                  "tensor_parallel_degree": p.tp, "pipeline_parallel_degree": p.pp,
                  "context_parallel_degree": p.cp, "expert_parallel_degree": p.ep}
