@@ -69,11 +69,11 @@ def export_layout(config: str | Path | Config, framework: str, overrides: dict[s
     n = local_params(cfg)
     target = r.bytes_per_param * n
     mine = est.model_state_bytes
-    memory = [f"model states per rank: this template {mine / GIB:.1f} GiB ({mine / max(n, 1):.1f} B per local "
+    memory = [f"model states per rank: this template {mine / GIB:.3g} GiB ({mine / max(n, 1):.1f} B per local "
               f"parameter: fp32 params, fp32 grads, fp32 AdamW m and v, sharded as the layout says), "
-              f"{framework} {target / GIB:.1f} GiB ({r.bytes_per_param:.2f} B/param; {r.source}), for the "
+              f"{framework} {target / GIB:.3g} GiB ({r.bytes_per_param:.2f} B/param; {r.source}), for the "
               f"{n:,} parameters a rank holds before data-parallel sharding", *r.memory,
-              f"activations: this template's estimate is {est.memory.activations / GIB:.1f} GiB per rank at its "
+              f"activations: this template's estimate is {est.memory.activations / GIB:.3g} GiB per rank at its "
               f"peak (its own attention and chunked loss, docs/ESTIMATION.md); {framework}'s kernels differ, so "
               "bench the exported job before trusting its headroom"]
     return LayoutExport(framework=framework, config=name, format=r.format, filename=r.filename, text=r.text,
