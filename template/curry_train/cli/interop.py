@@ -20,7 +20,7 @@ def _human_import(r: Any) -> str:
     lines = [f"wrote {r.path} from a {r.model_type} config.json: {r.param_count:,} parameters",
              *(f"  {k} -> {v}" for k, v in r.mapped.items()),
              *(f"  default taken: {k} = {v}" for k, v in r.defaults_taken.items()),
-             *(f"  accepted: {d.field} = {d.value!r}: {d.reason}" for d in r.accepted)]
+             *(f"  accepted: {d.field} = {d.value}: {d.reason}" for d in r.accepted)]
     return "\n".join(lines)
 
 

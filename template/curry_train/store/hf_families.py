@@ -12,10 +12,11 @@ others change behaviour, not shapes, and are refused unless the caller names the
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator
 
 FAMILIES = ("llama", "mistral", "mixtral", "qwen2", "gemma", "deepseek_v3")
 TIE_DEFAULT = {"gemma": True}  # GemmaConfig(tie_word_embeddings=True); the others default to False
@@ -38,10 +39,16 @@ REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_hea
 
 class Difference(BaseModel):
     field: str = Field(description="The config.json field (or the family fact) the template cannot express.")
-    value: Any = Field(description="Its value in the config.json (or the family default it takes when absent).")
+    value: str = Field(description="Its value in the config.json (a string, or else its JSON), or the family "
+                                   "default it takes when absent.")
     reason: str = Field(description="What the template does instead, and what that changes.")
     params: int = Field(0, description="Parameters the difference accounts for (0: none, behaviour only).")
     structural: bool = Field(description="The template's shapes cannot hold it: no `accept` admits it.")
+
+    @field_validator("value", mode="before")
+    @classmethod
+    def _as_json(cls, v: Any) -> str:  # a value may be an object (rope_scaling): one typed field for all
+        return v if isinstance(v, str) else json.dumps(v, sort_keys=True)
 
 
 @dataclass

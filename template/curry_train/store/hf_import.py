@@ -132,7 +132,7 @@ def import_hf_config(path_or_json: str, name: str, *, accept: list[str] | None =
             fix = ("not expressible in this template; import another model or write the model section by hand"
                    if d.structural else f"accept it (accept=[{key!r}], CLI --accept {key}) to import without "
                                         "it, if that difference does not matter for your purpose")
-            problems.append(Problem(fields=[f"config.json:{key}"], message=f"{d.value!r}: {d.reason}{extra}",
+            problems.append(Problem(fields=[f"config.json:{key}"], message=f"{d.value}: {d.reason}{extra}",
                                     fix=fix))
     if problems:
         raise ConfigError(problems)
