@@ -158,6 +158,20 @@ def test_bad_input_names_the_field(tmp_path):
     assert not (root / "configs" / "bad.yaml").exists()
 
 
+def test_transformers_v5_rope_parameters_are_read_back(tmp_path):
+    """transformers v5 writes rope_parameters instead of rope_theta / rope_scaling: its theta is mapped, not the
+    10000 default, and a scaled RoPE is refused as rope_scaling."""
+    root = _root(tmp_path)
+    v5 = {k: v for k, v in LLAMA3_8B.items() if k not in ("rope_theta", "rope_scaling")}
+    out = import_hf_config(json.dumps({**v5, "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}}),
+                           "v5", root=root)
+    assert out.config["model"]["rope_theta"] == 500000.0 and not out.defaults_taken
+    scaled = {**v5, "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0}}
+    with pytest.raises(ConfigError) as e:
+        import_hf_config(json.dumps(scaled), "v5s", root=root)
+    assert [p.fields for p in e.value.problems] == [["config.json:rope_scaling"]]
+
+
 def test_reimport_keeps_the_layout_and_resets_the_model(tmp_path):
     root = _root(tmp_path)
     import_hf_config(json.dumps(MIXTRAL_8X7B), "x", root=root)

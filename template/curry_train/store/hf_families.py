@@ -145,6 +145,20 @@ def _mlp(c: _Ctx) -> list[Difference]:
     return out
 
 
+def normalise(raw: dict[str, Any]) -> dict[str, Any]:
+    """transformers v5 saves RoPE as `rope_parameters` ({"rope_type", "rope_theta", ...}) instead of `rope_theta`
+    and `rope_scaling`: read it back into those two, so its theta is mapped and a scaled type is refused."""
+    rp = raw.get("rope_parameters")
+    if not isinstance(rp, dict):
+        return raw
+    out = {k: v for k, v in raw.items() if k != "rope_parameters"}
+    if "rope_theta" in rp:
+        out.setdefault("rope_theta", rp["rope_theta"])
+    if rp.get("rope_type", "default") != "default":
+        out.setdefault("rope_scaling", {k: v for k, v in rp.items() if k != "rope_theta"})
+    return out
+
+
 def differences(raw: dict[str, Any], seq_len: int) -> list[Difference]:
     """Every way this config.json's model differs from what the template builds (empty: it builds the same)."""
     c = _Ctx(raw, raw.get("model_type", ""), seq_len)

@@ -24,7 +24,15 @@ from curry_train.config import ConfigError, ModelConfig, Problem, from_dict, loa
 from curry_train.estimator import param_count
 from curry_train.paths import config_path
 from curry_train.store.configs import update_config
-from curry_train.store.hf_families import FAMILIES, MAPPED, MOE_FIELDS, REQUIRED, Difference, differences
+from curry_train.store.hf_families import (
+    FAMILIES,
+    MAPPED,
+    MOE_FIELDS,
+    REQUIRED,
+    Difference,
+    differences,
+    normalise,
+)
 
 DEFAULT_SEQ_LEN = 4096  # the sequence length an import trains when none is given (capped by the model's context)
 
@@ -103,7 +111,7 @@ def _mapping(raw: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str], dict[
 def import_hf_config(path_or_json: str, name: str, *, accept: list[str] | None = None, seq_len: int | None = None,
                      root: str | Path | None = None) -> HfImport:
     """Map a Hugging Face config.json onto a new or updated configs/<name>.yaml; refuse what does not map."""
-    raw = read_hf_json(path_or_json)
+    raw = normalise(read_hf_json(path_or_json))
     family = raw.get("model_type")
     if family not in FAMILIES:
         raise ConfigError([Problem(fields=["config.json:model_type"], message=f"model_type {family!r} is not "
