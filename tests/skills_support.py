@@ -45,6 +45,8 @@ TOOLS: dict[str, tuple[set[str] | None, set[str]]] = {
         {"model", "gpus_per_node", "nodes", "gpu_memory_gib", "seq_len", "global_batch"},
     ),
     "capacity_sweep": (None, {"config"}),
+    "import_hf_config": ({"path_or_json", "name", "accept", "seq_len"}, {"path_or_json", "name"}),
+    "export_layout": ({"config", "framework", "overrides"}, {"config", "framework"}),
 }
 CONFIG_TOOLS = {"bench", "whitebox_compare", "estimate_memory", "recommend_next", "capacity_sweep"}
 SYMPTOMS = {"oom", "slow", "none", None}
@@ -61,6 +63,8 @@ CLI_COMMANDS = {
     "climb",
     "mcp",
     "install-skills",
+    "import-hf",
+    "export",
 }
 
 # Entry points the skills name, and the template file that must define each (the planned layout).
