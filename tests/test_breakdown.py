@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from curry_train.breakdown import CATEGORIES
-from curry_train.estimator import estimate, load_any
+from curry_train.estimator import estimate, load_any, memory_per_pp_rank, model_states, moment_breakdowns
 
 
 def test_the_estimate_uses_the_shared_categories_and_they_sum_to_its_total():
@@ -26,6 +26,21 @@ def test_the_estimate_uses_the_shared_categories_and_they_sum_to_its_total():
     assert unchunked.phase == "loss backward" and unchunked.loss == 2 * 4 * 2 * 64 * 256
     assert estimate(load_any("tiny", {"parallel.pp": 2})).memory.pp_buffers > 0
     assert estimate(load_any("tiny", {"parallel.dp": 2, "parallel.zero": 3})).memory.param_copies > 0
+
+
+def test_every_moment_is_split_by_the_same_contract_and_the_largest_is_the_estimate():
+    for over in ({"parallel.dp": 2, "parallel.zero": 3, "train.dtype": "bfloat16"}, {"parallel.pp": 2},
+                 {"parallel.pp": 2, "parallel.dp": 2, "parallel.zero": 3, "train.micro_batch": 1}):
+        cfg = load_any("tiny", over)
+        for rank, peak in enumerate(memory_per_pp_rank(cfg)):
+            moments = moment_breakdowns(cfg, rank)
+            assert all(sum(m.by_category().values()) == m.total for m in moments), over
+            assert max(moments, key=lambda m: m.total) == peak, over  # the first of equal ones, as the peak
+    # FSDP's unsharded gradients are grad_buffers at every moment of the backward, never grads (breakdown.py)
+    zero3 = load_any("tiny", {"parallel.dp": 2, "parallel.zero": 3})
+    block = next(m for m in moment_breakdowns(zero3) if m.phase == "block backward (SwiGLU)")
+    # the second micro-step: the sharded .grad of the first, the new unsharded ones (w2's) beside them
+    assert block.grads == model_states(zero3)["grads"] and block.grad_buffers > 0
 
 
 # One layout per primitive, from benchmarks/estimator_accuracy.py's matrix (its configs and its comparison):
