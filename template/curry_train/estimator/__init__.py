@@ -42,11 +42,13 @@ the loss is chunked (benchmarks/estimator_accuracy.py "vocab-zero3-dp2-bf16").
 
 The peak is the largest of a few moments of the step (the loss and LM-head backward, a block's backward at the
 SwiGLU gradient or in RMSNorm's backward, the step's last block backward, the optimizer step; with a pipeline, at
-the schedule's fullest backward starts); `memory` reports the components live at that moment, for the pipeline
-rank with the largest total (every other axis is symmetric; ZeRO-1 and FSDP padding take rank 0's share, the
-largest). Checked against curry_train.measure.memory on 39 tiny layouts (benchmarks/estimator_accuracy.py): model
-states exact, median total error < 0.1%. Communication uses ring factors and alpha-beta times per link (intra
-vs inter node); step time = compute at the profile's efficiency + bubble + exposed communication + optimizer.
+the schedule's fullest backward starts); `memory` reports the categories live at that moment (filed by
+curry_train/breakdown.py's contract, as the measurement files them), for the pipeline rank with the largest total
+(every other axis is symmetric; ZeRO-1 and FSDP padding take rank 0's share, the largest). Checked against
+curry_train.measure.memory on the tiny layouts of benchmarks/estimator_accuracy.py: model states exact, the total
+and every category at the run's peak moment within 3% of the peak, but for three named gaps (docs/ESTIMATION.md).
+Communication uses ring factors and alpha-beta times per link (intra vs inter node); step time = compute at the
+profile's efficiency + bubble + exposed communication + optimizer.
 
 Files, in the one direction they compute (each imports only files above it; tests/test_architecture.py checks
 it); this one holds the public API and the result models and re-exports the others:
