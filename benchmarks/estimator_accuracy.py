@@ -7,11 +7,18 @@ Each config runs `curry_train.measure.memory.measure_memory` (job kind "memory")
 forkserver launcher, one launch per world size. For the rank with the largest measured peak it compares:
   model states  params / grads / optimizer: the estimator's persistent parameter, final-gradient and AdamW
                 bytes vs memory.py's `params`, `grads` and `optimizer` categories (each one's maximum);
-  at the peak   params (+ gathered/cast copies), grads (+ DDP buckets, FSDP accumulators), optimizer,
-                activations, other, total: the estimate's breakdown vs the measured split at the moment of the
-                peak, folded into five components as bench does (bench.fold).
-Errors are relative to the measured value; a component measured as 0 is scored against the measured total.
-Prints one line per config, then a final JSON line: max and median absolute error per component.
+  at the peak   every category of curry_train/breakdown.py (params, param_copies, grads, grad_buffers,
+                optimizer, activations, loss, pp_buffers, other): the estimate's breakdown vs the measured split at
+                the moment of the peak, both filed by breakdown.py's contract; and the total.
+The total's error is relative to the measured peak, and so is a category's: bytes filed in another category or
+missed, as a share of the peak. Two moments of the step whose totals are within the estimate's own error may
+change places (the run peaks in the other one), and then the categories differ by what differs between the two
+moments, not by filing: each config is also compared at its *filing moment*, the estimate's moment within TARGET
+of its peak whose split is nearest the measured one. Held to the totals' band (TARGET): the total; every
+category's filing error; every category's error at the peak where the filing moment is the peak itself.
+KNOWN_GAPS names the configs whose run peaks at a moment the estimator does not evaluate, and what it is.
+Prints one line per config, then a final JSON line: max and median absolute error per component, the filing
+maxima, and the configs over target (the exit status is 1 when there are any).
 """
 
 from __future__ import annotations
@@ -23,6 +30,8 @@ import sys
 import time
 from typing import Any
 
+from curry_train.breakdown import CATEGORIES, split  # the category contract both sides file by
+
 # name -> overrides on configs/tiny.yaml (or tiny-moe.yaml when the name starts with "moe")
 MATRIX: dict[str, dict[str, Any]] = {
     "single": {},
@@ -32,6 +41,8 @@ MATRIX: dict[str, dict[str, Any]] = {
     "single-mb1": {"train.micro_batch": 8},
     "ddp2": {"parallel.dp": 2},
     "ddp4-bf16": {"parallel.dp": 4, "train.dtype": "bfloat16"},
+    # one micro-batch: the peak comes before any .grad views DDP's buckets (they are the grads all the same)
+    "ddp2-mb1-bf16": {"parallel.dp": 2, "train.dtype": "bfloat16", "train.global_batch": 4},
     "zero1-dp2": {"parallel.dp": 2, "parallel.zero": 1},
     "zero1-dp4-full": {"parallel.dp": 4, "parallel.zero": 1, "parallel.recompute": "full"},
     "zero2-dp2": {"parallel.dp": 2, "parallel.zero": 2},
@@ -106,7 +117,18 @@ MATRIX: dict[str, dict[str, Any]] = {
     "vocab-pp2-1f1b": {"model.vocab_size": 4096, "parallel.pp": 2},
 }
 
-COMPONENTS = ("params", "grads", "optimizer", "activations", "other", "total")
+COMPONENTS = (*CATEGORIES, "total")
+TARGET = 0.03  # the total's band (docs/ESTIMATION.md "Calibration"), and each category's by default
+# Runs that peak at a moment the estimator does not evaluate (their totals are within TARGET; docs/ESTIMATION.md
+# "One memory model"): their category errors are printed, not held.
+KNOWN_GAPS = {
+    "cp2-dp2-zero3-bf16": "peaks with only the root unit gathered and the head's bf16 gradient in its unsharded "
+                          ".grad, 434 KB in other: a moment between the LM head's and the last block's backward",
+    "moe-ep2-zero3-bf16": "peaks with the block's dense part gathered but not its experts (param_copies = root + "
+                          "attention and router), 663 KB in other: after the experts' backward",
+    "pp2-dp2-zero3-d256-bf16": "peaks with a whole block's bf16 unsharded gradients (1,180,672 B) not yet folded "
+                               "into the fp32 accumulators; the estimate's block backward holds only w2's",
+}
 STATES = ("state_params", "state_grads", "state_optimizer")
 
 
@@ -158,16 +180,8 @@ def measure(names: list[str], timeout: float = 900.0) -> dict[str, list[dict[str
 
 
 def measured_components(report: dict[str, Any]) -> dict[str, int]:
-    """bench.fold: the split at the peak in five components, plus the model-state categories."""
-    at = report["at_peak"]
-    comp = {
-        "params": at.get("params", 0) + at.get("param_copies", 0),
-        "grads": at.get("grads", 0) + at.get("grad_buffers", 0),
-        "optimizer": at.get("optimizer", 0),
-        "activations": at.get("activations", 0),
-        "other": at.get("other", 0),
-        "total": report["peak"],
-    }
+    """The split at the peak in every category (bench.fold), the peak, and the model-state categories."""
+    comp = {**split(report["at_peak"]), "total": report["peak"]}
     comp.update(state_params=report["params"], state_grads=report["grads"], state_optimizer=report["optimizer"])
     return comp
 
@@ -175,12 +189,8 @@ def measured_components(report: dict[str, Any]) -> dict[str, int]:
 def estimated_components(cfg, pp_rank: int) -> dict[str, int]:
     from curry_train.estimator import estimate, model_states
 
-    est = estimate(cfg)
-    b = est.per_pp_rank[pp_rank]
-    comp = {k: getattr(b, k) for k in COMPONENTS}
-    # bench.fold, as measured_components: working copies with params, DDP buckets with grads
-    comp["params"] += b.param_copies
-    comp["grads"] += b.grad_buffers
+    b = estimate(cfg).per_pp_rank[pp_rank]
+    comp = {**b.by_category(), "total": b.total}
     st = model_states(cfg, pp_rank)
     comp.update(state_params=st["params"], state_grads=st["grads"], state_optimizer=st["optimizer"])
     return comp
@@ -194,19 +204,72 @@ def compare(name: str, reports: list[dict[str, Any]]) -> dict[str, Any]:
     est = estimated_components(cfg, pp_rank)
     err = {}
     for k in (*COMPONENTS, *STATES):
-        denom = meas[k] if meas[k] else meas["total"]
+        denom = meas[k] if k in STATES and meas[k] else meas["total"]  # categories: a share of the peak
         err[k] = (est[k] - meas[k]) / denom
+    near = nearest_moment(cfg, pp_rank, meas)
+    filing = {c: (near.by_category()[c] - meas[c]) / meas["total"] for c in CATEGORIES}
     from curry_train.estimator import estimate
 
     b = estimate(cfg).per_pp_rank[pp_rank]
-    return {"name": name, "rank": worst, "measured": meas, "estimated": est, "error": err,
-            "at_peak": reports[worst]["at_peak"], "phase": b.phase, "detail": b.detail}
+    return {"name": name, "rank": worst, "measured": meas, "estimated": est, "error": err, "filing": filing,
+            "filing_phase": near.phase, "at_peak": reports[worst]["at_peak"], "phase": b.phase, "detail": b.detail}
+
+
+def nearest_moment(cfg, pp_rank: int, meas: dict[str, int]):
+    """Among the estimate's moments within the totals' band of its peak (any of them may be where a run peaks:
+    the estimate cannot rank them closer than its own error), the one whose categories are nearest the measured
+    split; the peak itself when it is the nearest. Its categories' errors are the filing errors."""
+    from curry_train.estimator import moment_breakdowns
+
+    moments = moment_breakdowns(cfg, pp_rank)
+    top = max(b.total for b in moments)
+    close = [b for b in moments if b.total >= (1 - TARGET) * top]
+    return min(close, key=lambda b: sum(abs(v - meas[c]) for c, v in b.by_category().items()))
+
+
+def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """Max and median errors per component, the filing maxima and the configs over target (see the docstring)."""
+    summary: dict[str, Any] = {}
+    for k in (*COMPONENTS, *STATES):
+        errs = [abs(r["error"][k]) for r in results]
+        if errs:
+            summary[f"{k}_max_error"] = round(max(errs), 4)
+            summary[f"{k}_median_error"] = round(statistics.median(errs), 4)
+    held = [r for r in results if r["name"] not in KNOWN_GAPS]
+    moved = sorted(r["name"] for r in results if r["filing_phase"] != r["phase"])
+    over = sorted({r["name"] for r in held if abs(r["error"]["total"]) > TARGET}
+                  | {r["name"] for r in held if r["name"] not in moved
+                     and any(abs(r["error"][c]) > TARGET for c in CATEGORIES)})
+    summary["target"] = TARGET
+    summary["peak_moment_differs"] = moved
+    summary["known_gaps"] = {r["name"]: round(max(abs(v) for v in r["filing"].values()), 4)
+                             for r in results if r["name"] in KNOWN_GAPS}
+    summary["over_target"] = over
+    for c in CATEGORIES:  # what the at-peak rule holds: the filing moment is the peak, no known gap
+        errs = [abs(r["error"][c]) for r in held if r["name"] not in moved]
+        if errs:
+            summary[f"{c}_held_max_error"] = round(max(errs), 4)
+    for c in CATEGORIES:
+        errs = [abs(r["filing"][c]) for r in held]
+        if errs:
+            summary[f"{c}_filing_max_error"] = round(max(errs), 4)
+    summary["over_filing_target"] = sorted({r["name"] for r in held for c in CATEGORIES
+                                            if abs(r["filing"][c]) > TARGET})
+    summary["worst_total"] = max(results, key=lambda r: abs(r["error"]["total"]))["name"] if results else None
+    # Before memory.py registered torch.distributed.pipelining's receive buffers when tracking starts (they are
+    # allocated in the first step and filled by c10d, not by an aten op), the ones no op had touched yet at the
+    # peak were missing from the measurement and PP totals were off by up to 4.5%; kept to compare with old runs.
+    no_pp = [abs(r["error"]["total"]) for r in results if "pp" not in r["name"]]
+    if no_pp:
+        summary["total_max_error_without_pp"] = round(max(no_pp), 4)
+    return summary
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", default=None, help="run the configs whose name contains this")
     ap.add_argument("--verbose", action="store_true", help="print measured and estimated bytes per config")
+    ap.add_argument("--dump", default=None, metavar="PATH", help="write every config's comparison as JSON here")
     ap.add_argument("--adhoc", default=None, metavar="JSON",
                     help='measure one extra config: overrides on tiny (name it "moe" with {"moe": true})')
     a = ap.parse_args(argv)
@@ -221,28 +284,20 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     results = [compare(n, reps) for n, reps in measure(names).items()]
     for r in results:
-        e = r["error"]
-        print(f"{r['name']:22s} rank {r['rank']}  " + "  ".join(f"{k} {e[k]:+.3f}" for k in (*COMPONENTS, *STATES)),
+        e, f = r["error"], r["filing"]
+        print(f"{r['name']:22s} rank {r['rank']}  " + "  ".join(f"{k} {e[k]:+.3f}" for k in (*COMPONENTS, *STATES))
+              + f"  | filing at {r['filing_phase']}: " + "  ".join(f"{c} {f[c]:+.3f}" for c in CATEGORIES if f[c]),
               file=sys.stderr)
         if a.verbose:
             print("   measured ", r["measured"], "\n   estimated", r["estimated"], file=sys.stderr)
             print("   at_peak  ", r["at_peak"], "\n   phase    ", r["phase"], r["detail"], file=sys.stderr)
-    wall = round(time.perf_counter() - t0, 1)
-    summary: dict[str, Any] = {"configs": len(results), "skipped": skipped, "wall_s": wall}
-    for k in (*COMPONENTS, *STATES):
-        errs = [abs(r["error"][k]) for r in results]
-        if errs:
-            summary[f"{k}_max_error"] = round(max(errs), 4)
-            summary[f"{k}_median_error"] = round(statistics.median(errs), 4)
-    summary["worst_total"] = max(results, key=lambda r: abs(r["error"]["total"]))["name"] if results else None
-    # Before memory.py registered torch.distributed.pipelining's receive buffers when tracking starts (they are
-    # allocated in the first step and filled by c10d, not by an aten op), the ones no op had touched yet at the
-    # peak were missing from the measurement and PP totals were off by up to 4.5%; kept to compare with old runs.
-    no_pp = [abs(r["error"]["total"]) for r in results if "pp" not in r["name"]]
-    if no_pp:
-        summary["total_max_error_without_pp"] = round(max(no_pp), 4)
+    summary = {"configs": len(results), "skipped": skipped, "wall_s": round(time.perf_counter() - t0, 1),
+               **summarize(results)}
+    if a.dump:
+        with open(a.dump, "w") as f:
+            json.dump(results, f)
     print(json.dumps(summary))
-    return 0
+    return 1 if summary["over_target"] or summary["over_filing_target"] else 0
 
 
 if __name__ == "__main__":

@@ -4,19 +4,20 @@ Measured on configs/tiny.yaml (N = 180,800 params, micro-batch 2 x 64 tokens, fp
 (rank 0; ZeRO-1's optimizer share differs by rank: 362,024 / 361,508 / 361,512 / 361,512):
 
   zero recompute    params  param_copies    grads  grad_buffers  optimizer  activations   other      peak
-  0    none        723,200             0  723,200       723,200  1,446,556    2,882,576  264,208  6,039,736
-  1    none        723,200             0  723,200       723,200    362,024    2,882,576  264,208  4,955,204
+  0    none        723,200             0  723,200             0  1,446,556    2,882,576  264,208  6,039,736
+  1    none        723,200             0  723,200             0    362,024    2,882,576  264,208  4,955,204
   2    none        180,800       723,200  180,800       213,760    361,756    2,882,576  400,528  4,412,536
   3    none        180,800       279,296  180,800       213,760    361,756    2,882,576  548,496  3,886,968
-  0    full        723,200             0  723,200       723,200  1,446,556      867,852  264,208  4,370,872
-  1    full        723,200             0  723,200       723,200    362,024      867,852  264,208  3,286,340
+  0    full        723,200             0  723,200             0  1,446,556      867,852  264,208  4,370,872
+  1    full        723,200             0  723,200             0    362,024      867,852  264,208  3,286,340
   2    full        180,800       723,200  180,800       213,760    361,756      867,852  400,528  2,402,296
   3    full        180,800       279,296  180,800       213,760    361,756      867,852  548,496  2,258,552
 
 Reading it: optimizer / 4 from zero 0 to 1; grads / 4 from 1 to 2; ZeRO-2 still holds a full working copy of the
 parameters through forward and backward (param_copies = 4N bytes, the "params" of the ZeRO paper's stage 2),
-which ZeRO-3 replaces by the 1/4 shard plus the units in flight (at most root + one block = 279,296); grad_buffers is
-DDP's bucket copy (zero 0/1) or FSDP's unsharded grads of a unit before its reduce-scatter (2/3).
+which ZeRO-3 replaces by the 1/4 shard plus the units in flight (at most root + one block = 279,296); DDP's buckets
+are the grads (zero 0/1: the .grad tensors are views into them), grad_buffers is FSDP's unsharded grads of a unit
+before its reduce-scatter (2/3).
 """
 
 from __future__ import annotations
@@ -71,10 +72,11 @@ def test_zero_stages_shrink_optimizer_grads_and_params_fourfold_at_four_ranks():
         largest = max(p.numel() for p in build_model(cfgs[0]).parameters()) * 2 * F32 + F32
         assert max(rep["optimizer"] for rep in z1) <= z0[0]["optimizer"] / 4 + largest
         assert z0[0]["optimizer"] / max(rep["optimizer"] for rep in z1) > 3.9
-        # ZeRO-2: gradients sharded (every dim 0 of tiny divides by 4: no padding), DDP's bucket copy gone.
+        # ZeRO-2: gradients sharded (every dim 0 of tiny divides by 4: no padding).
         assert z1[0]["grads"] == z0[0]["grads"] == n_bytes
         assert 4 * z2[0]["grads"] == z1[0]["grads"]
-        assert z0[0]["grad_buffers"] == n_bytes and z2[0]["grad_buffers"] < n_bytes
+        assert z0[0]["grad_buffers"] == z1[0]["grad_buffers"] == 0  # the buckets are the grads (breakdown.py)
+        assert 0 < z2[0]["grad_buffers"] < n_bytes
         # Parameters: ZeRO-0/1 replicate them; FSDP2's ZeRO-2 keeps a 1/4 master shard *and* a full gathered
         # copy from forward to backward; ZeRO-3 keeps the shard and gathers a block at a time (+ the root unit,
         # gathered for the whole forward: embedding first, head last).

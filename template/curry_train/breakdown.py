@@ -2,19 +2,27 @@
 
     from curry_train.breakdown import CATEGORIES, Breakdown
 
-Both sides split one rank's bytes at its peak into the same categories with the same meaning, so a difference
-between an estimate bar and a measured bar is a real disagreement, never a filing difference:
+Both sides split one rank's bytes at its peak into the same categories by this one contract, so a difference
+between an estimate bar and a measured bar is a real disagreement, never a filing difference
+(benchmarks/estimator_accuracy.py holds every category to the totals' band; docs/ESTIMATION.md "One memory model"):
 
   params        persistent parameters the optimizer updates (full, TP-local, or this rank's FSDP shard)
   param_copies  working copies of parameters: FSDP's all-gathered units, autocast's bf16 weight casts
-  grads         the `.grad` tensors the optimizer reads (full, or the FSDP shard)
-  grad_buffers  other gradient storage: DDP's flat all-reduce buckets, FSDP's unsharded gradients / accumulators
+  grads         the gradient storage the optimizer reads: the `.grad` tensors (full, TP-local, or the FSDP shard);
+                under DDP's gradient_as_bucket_view the flat buckets themselves, from the wrap on, whether or
+                not a .grad views them at that moment (after zero_grad, before the first backward)
+  grad_buffers  gradient storage the optimizer never reads: FSDP's unsharded gradients (a unit's, from autograd
+                until its reduce-scatter) and its unsharded accumulators across micro-batches (under PP);
+                DDP's buckets when they are not .grad's storage (gradient_as_bucket_view off)
   optimizer     AdamW state this rank owns (exp_avg, exp_avg_sq, step)
   activations   forward-created tensors alive at the peak (what backward reads), recomputed ones too
-  loss          the loss gradients, fp32 [tokens, vocab] (log_softmax's and nll's backward; log_softmax's saved
-                output is an activation)
+  loss          what the loss's backward ops make: log_softmax's and nll's gradients, fp32 [tokens, vocab] (the
+                aten ops, or under TP loss_parallel's DTensor handlers; log_softmax's saved output is an
+                activation; the cast of the logits gradient back to the compute dtype is `other`)
   pp_buffers    torch.distributed.pipelining's per-micro-batch receive buffers (activations and gradients)
-  other         everything else: activation gradients and backward temporaries, communication staging,
+  other         everything else: activation gradients and backward temporaries (a weight gradient before it
+                reaches .grad too), communication staging (FSDP's flat all-gather output, the reduce-scatter
+                input and output until the output becomes the sharded .grad, gloo's own copy of that input),
                 optimizer-step temporaries, module buffers (RoPE tables)
 
 Producers: curry_train.estimator (`Estimate.memory`) and curry_train.measure.memory (`MemoryReport.at_peak`);
@@ -33,13 +41,14 @@ CATEGORIES = ("params", "param_copies", "grads", "grad_buffers", "optimizer", "a
 DESCRIPTIONS = {
     "params": "Persistent parameters the optimizer updates (full, TP-local or the FSDP shard).",
     "param_copies": "Working copies of parameters: FSDP all-gathered units, autocast bf16 weight casts.",
-    "grads": "The .grad tensors the optimizer reads (full, or the FSDP shard).",
-    "grad_buffers": "DDP all-reduce buckets and FSDP unsharded gradients / accumulators.",
+    "grads": "The gradients the optimizer reads: .grad (full, TP-local or the FSDP shard); DDP's bucket views.",
+    "grad_buffers": "FSDP's unsharded gradients / accumulators (DDP buckets only without bucket views).",
     "optimizer": "AdamW state this rank owns.",
     "activations": "Forward-created tensors alive at the peak (what backward reads), recomputed ones too.",
-    "loss": "The loss gradients, fp32 [tokens, vocab] (log_softmax / nll backward).",
+    "loss": "The loss gradients, fp32 [tokens, vocab] (log_softmax / nll backward, loss_parallel's too).",
     "pp_buffers": "Pipeline receive buffers (one activation / gradient buffer per micro-batch and stage).",
-    "other": "Everything else: activation gradients, backward temporaries, comm staging, module buffers.",
+    "other": "Everything else: activation gradients, backward temporaries, comm staging (FSDP, gloo), module "
+             "buffers.",
 }
 
 # A JSON value without nesting, typed so strict schema checkers (the MCP Inspector's portability check) see a

@@ -232,7 +232,7 @@ def oom(c: Ctx) -> Decision:
             c.reject("tp_before_fsdp")
             m = c.est.memory
             return c.took(f"zero{patch['parallel.zero']}", "zero", patch, e, zero=patch["parallel.zero"],
-                          states=m.params + m.grads + m.optimizer, ranks=dpcp)
+                          states=m.params + m.grads + m.grad_buffers + m.optimizer, ranks=dpcp)
 
     # 3. full sharding (or no data parallelism left): recompute
     r = recompute()

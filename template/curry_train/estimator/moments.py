@@ -54,7 +54,10 @@ GLOO_COPIES_RS_INPUT = True
 
 
 class Moment(NamedTuple):
-    """Bytes live at one moment beyond the rank's stored parameters and optimizer state."""
+    """Bytes live at one moment beyond the rank's stored parameters and optimizer state, filed by the category
+    contract of curry_train/breakdown.py (`grads` the .grad tensors the optimizer reads, DDP's bucket views
+    included; `grad_buffers` FSDP's unsharded gradients and accumulators; the loss gradients and the pipeline's
+    receive buffers are named in `detail` and leave `other` in estimator._breakdown)."""
 
     phase: str
     param_copies: int  # gathered FSDP units and autocast's weight casts
@@ -62,10 +65,11 @@ class Moment(NamedTuple):
     activations: int
     other: int
     detail: dict[str, int]
+    grad_buffers: int = 0
 
     @property
     def total(self) -> int:
-        return self.param_copies + self.grads + self.activations + self.other
+        return self.param_copies + self.grads + self.grad_buffers + self.activations + self.other
 
 
 def _with_buckets(grads: int, buckets: int) -> int:
@@ -171,7 +175,8 @@ class StateView:
     head_acts: int  # acts + the head's saved tensors (and logits, where kept)
     logits_alive: int
     lsm_kept: int
-    grads_prev: int  # gradients alive when this backward starts
+    grads_prev: int  # .grad tensors alive when this backward starts (sharded under FSDP, DDP's bucket views)
+    gbuf_prev: int  # FSDP's unsharded gradient accumulators alive when this backward starts (under PP)
     fresh: bool  # new gradients are fresh tensors (not added in place)
     kept: tuple[bool, ...]  # per chunk: every FSDP unit gathered
     kept_other: int  # bytes of the other chunks' kept units
@@ -203,10 +208,10 @@ def state_view(r: RankView, ps: _PipeState) -> StateView:
     else:
         logits_alive = a.logits if r.has_head and not LOSS_IN_MODEL else 0
         head_acts = acts + a.head + lsm_kept + a.targets + logits_alive
-    if r.fsdp_accum:
-        grads_prev = int(ps.grads * (4 * st.n_local + r.tp_embed))
+    if r.fsdp_accum:  # the unsharded parameters' .grad: grad_buffers (breakdown.py)
+        grads_prev, gbuf_prev = 0, int(ps.grads * (4 * st.n_local + r.tp_embed))
     else:  # DDP / ZeRO-1 .grad, or FSDP's sharded grads (reduce-scattered every micro-step)
-        grads_prev = int(ps.grads * st.grads_full)
+        grads_prev, gbuf_prev = int(ps.grads * st.grads_full), 0
     grads_prev = _with_buckets(grads_prev, st.ddp_buckets)
     # New gradients are fresh tensors until the first backward has run (then autograd adds into .grad in
     # place), except under FSDP: each micro-step's unsharded grads are new (reduce-scattered away, or, under
@@ -219,5 +224,5 @@ def state_view(r: RankView, ps: _PipeState) -> StateView:
     kept = ps.kept if (r.zero3 and layout.pp > 1 and ps.kept) else (False,) * len(r.stages)
     kept_other = sum(u for ci, u in enumerate(st.chunk_units) if kept[ci] and ci != ps.chunk)
     return StateView(ps=ps, other=other, acts=acts, param_copies=pcopies, head_acts=head_acts,
-                     logits_alive=logits_alive, lsm_kept=lsm_kept, grads_prev=grads_prev, fresh=fresh, kept=kept,
-                     kept_other=kept_other, own_kept=kept[ps.chunk])
+                     logits_alive=logits_alive, lsm_kept=lsm_kept, grads_prev=grads_prev, gbuf_prev=gbuf_prev,
+                     fresh=fresh, kept=kept, kept_other=kept_other, own_kept=kept[ps.chunk])

@@ -26,7 +26,8 @@ from curry_train.estimator.moments import (  # re-exported: the facts the breakd
 from curry_train.estimator.pipeline import _PipeState, pipe_states
 
 __all__ = ["DDP_GRADS_ARE_BUCKET_VIEWS", "FSDP_ACCUMULATES_UNSHARDED_UNDER_PP", "GLOO_COPIES_RS_INPUT",
-           "LOSS_IN_MODEL", "PP_KEEPS_OUTPUTS", "ZB_GATHERS_BEFORE_SPLIT_BACKWARD", "_Peak", "_peak", "step_moments"]
+           "LOSS_IN_MODEL", "PP_KEEPS_OUTPUTS", "ZB_GATHERS_BEFORE_SPLIT_BACKWARD", "_Peak", "_peak", "moment_peaks",
+           "step_moments"]
 
 
 @dataclass(frozen=True)
@@ -38,10 +39,11 @@ class _Peak:
     other: int
     phase: str
     detail: dict
+    grad_buffers: int = 0
 
     @property
     def total(self) -> int:
-        return self.params + self.grads + self.optimizer + self.activations + self.other
+        return self.params + self.grads + self.grad_buffers + self.optimizer + self.activations + self.other
 
 
 def step_moments(layout: Layout, pp_rank: int) -> list[Moment]:
@@ -74,13 +76,25 @@ def _state_moments(r: RankView, ps: _PipeState) -> list[Moment]:
 
 def _largest(r: RankView, found: list[Moment]) -> _Peak:
     """The largest moment (the first of equal ones) on top of the rank's stored parameters and optimizer state."""
-    top = max(found, key=lambda q: q.total)
+    return _on_states(r, max(found, key=lambda q: q.total))
+
+
+def moment_peaks(layout: Layout, pp_rank: int) -> list[_Peak]:
+    """Every moment of one pipeline rank's step as a whole-rank split (stored parameters and optimizer state
+    added), in step_moments' order: what the rank would hold if that moment were its peak."""
+    r = rank_view(layout, pp_rank)
+    return [_on_states(r, q) for q in _moments(r, pp_rank)]
+
+
+def _on_states(r: RankView, top: Moment) -> _Peak:
+    """One moment on top of the rank's stored parameters and optimizer state."""
     d = {**r.detail, **{k: v for k, v in top.detail.items() if v}}
     if r.st.ddp_buckets:
         d["ddp_buckets"] = r.st.ddp_buckets
     if top.param_copies:
         d["param_copies"] = top.param_copies
-    return _Peak(r.st.params + top.param_copies, top.grads, r.st.opt, top.activations, top.other, top.phase, d)
+    return _Peak(r.st.params + top.param_copies, top.grads, r.st.opt, top.activations, top.other, top.phase, d,
+                 top.grad_buffers)
 
 
 @lru_cache(maxsize=8192)

@@ -37,7 +37,7 @@ def units_gathered_zero_bubble(r: RankView, s: StateView) -> list[Moment]:
     acts_g = s.head_acts if r.has_head and layout.pp > 1 else s.acts + s.logits_alive
     s.own_kept = True
     return [Moment("units gathered (zero bubble)", s.param_copies + s.kept_other + p_g, s.grads_prev, acts_g,
-                   s.other + o_g, {})]
+                   s.other + o_g, {}, s.gbuf_prev)]
 
 
 def forward_units_kept(r: RankView, s: StateView) -> list[Moment]:
@@ -48,7 +48,7 @@ def forward_units_kept(r: RankView, s: StateView) -> list[Moment]:
     root_c = st.chunk_units[ps.chunk] - r.chunk_layers[ps.chunk] * st.unit_max
     acts_f = s.acts + (a.logits if ps.chunk == r.head_chunk else 0)
     return [Moment("forward (units kept)", s.param_copies + s.kept_other + root_c + st.unit_max, s.grads_prev,
-                   acts_f, s.other + st.unit_max + a.stream, {})]
+                   acts_f, s.other + st.unit_max + a.stream, {}, s.gbuf_prev)]
 
 
 def _gathered(r: RankView, s: StateView) -> int:
@@ -84,7 +84,7 @@ def loss_backward(r: RankView, s: StateView) -> list[Moment]:
     _, w_acc = _head_weight_grads(r)
     chunk_acc = w_acc + a.dy_head if a.chunks > 1 else 0
     return [Moment("loss backward", s.param_copies + _gathered(r, s), s.grads_prev, s.head_acts + a.lsm - s.lsm_kept,
-                   s.other + loss_grads + chunk_acc, {"loss_grads": loss_grads})]
+                   s.other + loss_grads + chunk_acc, {"loss_grads": loss_grads}, s.gbuf_prev)]
 
 
 def lm_head_backward(r: RankView, s: StateView) -> list[Moment]:
@@ -101,26 +101,33 @@ def lm_head_backward(r: RankView, s: StateView) -> list[Moment]:
     if r.zero3 and not s.own_kept:
         p2 += r.st.root_unit
         o2 += r.st.unit_max
-    return [Moment("LM head backward", p2, s.grads_prev, s.head_acts - s.lsm_kept, o2, {"head_grads": head_grads})]
+    return [Moment("LM head backward", p2, s.grads_prev, s.head_acts - s.lsm_kept, o2, {"head_grads": head_grads},
+                   s.gbuf_prev)]
 
 
-def _block_backward(r: RankView, s: StateView) -> tuple[int, int, int, int]:
-    """(param copies, grads, other, activations) in the backward of the chunk's last block. New gradients of the
-    head and of w2 are fresh tensors until the first backward has run; then autograd adds into .grad in place,
-    except FSDP mixed precision, whose bf16 unsharded grads join the fp32 accumulator only at the unit's
-    post-backward. Zero 3 gathers units one by one: root + this block (+ the prefetched one's staging buffer).
+def _new_grads(r: RankView, s: StateView, new: int) -> tuple[int, int]:
+    """(grads, grad_buffers) with `new` parameter-gradient bytes the backward has just made: FSDP's land on its
+    unsharded parameters (grad_buffers until the reduce-scatter), the others are the .grad the optimizer reads."""
+    return (s.grads_prev, s.gbuf_prev + new) if r.fsdp else (s.grads_prev + new, s.gbuf_prev)
+
+
+def _block_backward(r: RankView, s: StateView) -> tuple[int, int, int, int, int]:
+    """(param copies, grads, grad buffers, other, activations) in the backward of the chunk's last block. New
+    gradients of the head and of w2 are fresh tensors until the first backward has run; then autograd adds into
+    .grad in place, except FSDP mixed precision, whose bf16 unsharded grads join the fp32 accumulator only at the
+    unit's post-backward. Zero 3 gathers units one by one: root + this block (+ the prefetched one's staging buffer).
     Zero bubble: the input backward (I) retains the graph for the weight backward (W), with every linear's
     output gradient of the chunk."""
     layout, st, a = r.layout, r.st, r.a
     head_grads = r.grad_bytes * r.head_numel if _at_head(r, s) and s.fresh else 0
-    g3 = s.grads_prev + head_grads + (r.grad_bytes * r.w2 if s.fresh else 0)
+    g3, b3 = _new_grads(r, s, head_grads + (r.grad_bytes * r.w2 if s.fresh else 0))
     gathering = r.zero3 and not s.own_kept
     p3 = s.param_copies + (_gathered(r, s) + (st.root_unit + st.unit_max if gathering else 0) if r.fsdp else 0)
     o3 = s.other + a.d_stream + (st.unit_max if gathering else 0)
     acts3 = s.acts + s.logits_alive + r.recompute_extra
     if layout.pp > 1 and layout.pp_schedule == "zero_bubble":
         o3 += r.chunk_layers[s.ps.chunk] * a.lin_out_grads
-    return p3, g3, o3, acts3
+    return p3, g3, b3, o3, acts3
 
 
 def last_block_backward(r: RankView, s: StateView) -> list[Moment]:
@@ -128,16 +135,16 @@ def last_block_backward(r: RankView, s: StateView) -> list[Moment]:
     with the head's output gradient of every loss chunk), then at the SwiGLU product's gradient and in
     RMSNorm's backward."""
     layout, a = r.layout, r.a
-    p3, g3, o3, acts3 = _block_backward(r, s)
+    p3, g3, b3, o3, acts3 = _block_backward(r, s)
     out = []
     if layout.pp > 1 and layout.pp_schedule == "zero_bubble":
         if _at_head(r, s):
             acts_i, o_i = s.head_acts + r.recompute_extra, o3 + a.grad_logits_all
         else:
             acts_i, o_i = acts3, o3
-        out.append(Moment("input backward (zero bubble)", p3, g3, acts_i, o_i + 5 * a.stream, {}))
-    out.append(Moment("block backward (SwiGLU)", p3, g3, acts3 - a.prod, o3 + a.ffn_bwd, {}))
-    out.append(Moment("block backward (norm)", p3, g3, acts3 - a.ffn_saved, o3 + 5 * a.stream, {}))
+        out.append(Moment("input backward (zero bubble)", p3, g3, acts_i, o_i + 5 * a.stream, {}, b3))
+    out.append(Moment("block backward (SwiGLU)", p3, g3, acts3 - a.prod, o3 + a.ffn_bwd, {}, b3))
+    out.append(Moment("block backward (norm)", p3, g3, acts3 - a.ffn_saved, o3 + 5 * a.stream, {}, b3))
     return out
 
 
@@ -149,22 +156,22 @@ def first_block_units_kept(r: RankView, s: StateView) -> list[Moment]:
     layout, st, a, c = r.layout, r.st, r.a, s.ps.chunk
     if not (r.zero3 and layout.pp > 1):
         return []
-    _, _, _, acts3 = _block_backward(r, s)
+    acts3 = _block_backward(r, s)[-1]
     lay = r.chunk_layers
     acts_end = acts3 - (lay[c] - 1) * a.layer_saved - (a.logits if c == r.head_chunk else 0)
     if c == r.head_chunk:  # the other micro-batches' saved head activations (GPipe holds m, measured)
         acts_end += (s.ps.held[c] - 1) * a.head
-    g_end = s.grads_prev
+    g_end, b_end = s.grads_prev, s.gbuf_prev
     if not s.ps.own_grads:  # the chunk's first backward: accumulators of its later blocks and its head
         root_c = sum(d0 * r_ for d0, r_, _, _ in _root_tensors(layout, False, r.stages[c] == r.n_stages - 1))
-        g_end += 4 * ((lay[c] - 1) * r.block_local + root_c)
+        b_end += 4 * ((lay[c] - 1) * r.block_local + root_c)
     p_end = s.param_copies + s.kept_other + st.chunk_units[c]
     out = []
     if not s.own_kept:
         out.append(Moment("first block gathered (units kept)", p_end, g_end, acts_end,
-                          s.other + a.d_stream + st.unit_max, {}))
-    out.append(Moment("first block backward (units kept)", p_end, g_end + r.grad_bytes * r.w2, acts_end - a.prod,
-                      s.other + a.d_stream + a.ffn_bwd, {}))
+                          s.other + a.d_stream + st.unit_max, {}, b_end))
+    out.append(Moment("first block backward (units kept)", p_end, g_end, acts_end - a.prod,
+                      s.other + a.d_stream + a.ffn_bwd, {}, b_end + r.grad_bytes * r.w2))
     return out
 
 
@@ -173,9 +180,11 @@ def ring_attention_backward(r: RankView, s: StateView) -> list[Moment]:
     layout, a = r.layout, r.a
     if layout.cp <= 1:
         return []
-    p3, g3, o3, acts3 = _block_backward(r, s)
-    g_attn = g3 + (r.grad_bytes * r.block_local - r.grad_bytes * r.w2 if s.fresh and not layout.num_experts else 0)
-    return [Moment("ring attention backward", p3, g_attn, acts3 - a.ffn_saved - a.post_attn, o3 + a.ring_bwd, {})]
+    p3, g3, b3, o3, acts3 = _block_backward(r, s)
+    new = r.grad_bytes * r.block_local - r.grad_bytes * r.w2 if s.fresh and not layout.num_experts else 0
+    g_attn, b_attn = (g3, b3 + new) if r.fsdp else (g3 + new, b3)
+    return [Moment("ring attention backward", p3, g_attn, acts3 - a.ffn_saved - a.post_attn, o3 + a.ring_bwd, {},
+                   b_attn)]
 
 
 # ----------------------------------------------------------------------------------- once per step
@@ -194,14 +203,14 @@ def first_layer_backward(r: RankView) -> list[Moment]:
         blk_shard = st.n_stored - st.root_stored
         root_local = st.n_local - blk_local * n_blk
         g4 = 4 * (blk_shard - blk_shard // max(n_blk, 1))  # reduced blocks: sharded grads
-        if r.fsdp_accum:
-            g4 += 4 * (root_local + blk_local)  # accumulators of the root and of this block
+        if r.fsdp_accum:  # unsharded: grad_buffers
+            b4 = 4 * (root_local + blk_local)  # accumulators of the root and of this block
             if layout.precision == "mp":
-                g4 += cb * (root_local + r.w2)
+                b4 += cb * (root_local + r.w2)
         else:
             if m > 1:  # sharded grads of this block and the root from the earlier micro-steps
                 g4 += 4 * (st.n_stored - (blk_shard - blk_shard // max(n_blk, 1)))
-            g4 += cb * (root_local - ((V // tp) * D if r.has_embed else 0) + r.w2)
+            b4 = cb * (root_local - ((V // tp) * D if r.has_embed else 0) + r.w2)
         p4, o4 = st.root_unit + st.unit_max, st.rs_buffer
         if layout.pp > 1:  # the chunk's units all stay gathered until perform_reduce_grad (pipeline._kept_units)
             p4 = st.chunk_units[0]
@@ -209,13 +218,13 @@ def first_layer_backward(r: RankView) -> list[Moment]:
         embed_grad = 4 * V * D if (r.has_embed and tp > 1) else (4 * (V // tp) * D if r.has_embed else 0)
         g4 = _with_buckets(st.grads_full if acc else st.grads_full - 4 * blk_local - embed_grad + 4 * r.w2,
                            st.ddp_buckets)
-        p4, o4 = 0, 0
+        p4, o4, b4 = 0, 0, 0
     acts4 = r.data + a.rope + (a.embed if r.has_embed else 0) + a.layer_saved + r.recompute_extra + \
         logits_end * a.logits - a.prod
     if layout.pp > 1 and min(r.stages) != r.n_stages - 1:
         acts4 += a.stream
     return [Moment("block backward (first)", p4 + a.pcopy_layer, g4, acts4,
-                   r.other_base + a.d_stream + a.ffn_bwd + o4, {})]
+                   r.other_base + a.d_stream + a.ffn_bwd + o4, {}, b4)]
 
 
 def root_reduce_scatter(r: RankView) -> list[Moment]:

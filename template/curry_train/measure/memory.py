@@ -6,32 +6,25 @@
 `measure_memory(cfg, steps=2)` runs inside a rank after the process group is up: `train.setup`, steps - 1 warm-up
 steps (AdamW state exists only after the first optimizer step; one more if DDP has not yet re-allocated its
 buckets, which it does once, in the forward after the first synced backward), then tracks one full step (every
-micro-batch's forward and backward, the optimizer step and zero_grad). Every tensor storage alive during that
-step is counted once (views and shared storages de-duplicated; a DTensor counts its local shard) in exactly one
-category:
+micro-batch's forward and backward, the optimizer step and zero_grad). Every tensor storage alive during that step is counted once (views and shared storages
+de-duplicated; a DTensor counts its local shard) in exactly one category of curry_train/breakdown.py, by the
+contract written there (the estimator files its bytes by the same one). How the tracker finds each:
 
-  params        persistent parameters, the tensors the optimizer updates: full tensors under DDP / ZeRO-1, the
-                1/d shard (with FSDP's padding of uneven dim-0 splits) under ZeRO-2/3, the local shard under TP.
-  param_copies  working copies of parameters: FSDP's all-gathered unsharded parameters (bf16 under mixed
-                precision) and autocast's bf16 casts of parameters (DDP with train.dtype=bfloat16). ZeRO-2 keeps
-                every unit's copy alive from its forward to its backward, so at the end of the forward all N
-                parameters are there at full size; ZeRO-3 frees each unit's copy after its forward and gathers it
-                again for its backward.
-  grads         the `.grad` the optimizer reads: full under DDP / ZeRO-1, the 1/d shard under ZeRO-2/3.
-  grad_buffers  other gradient storage: DDP's flat all-reduce buckets while no .grad views them (apply_ddp uses
-                gradient_as_bucket_view=True: the .grad tensors are views into the buckets, which count as
-                `grads` once the backward has pointed .grad at them), FSDP's unsharded
-                gradients of a unit before its reduce-scatter, which persist across micro-batches when the
-                step accumulates without a sync (train.forward_backward reduces on the last micro-batch only).
-  optimizer     optimizer state on this rank (AdamW exp_avg, exp_avg_sq, step); ZeRO-1..3 hold ~1/d of it.
-  activations   tensors created by the forward pass (the batch, every op output, logits, loss) and by
-                recomputation during backward, while alive: what backward reads, plus forward transients.
-  loss          the loss gradients, fp32 [tokens, vocab] (nll_loss_backward, log_softmax's backward), found by
-                the aten ops that make them; log_softmax's saved output is an activation.
-  pp_buffers    the pipeline's receive buffers (one activation / gradient buffer per micro-batch and stage).
-  other         the rest: activation gradients and other backward temporaries, FSDP's staging buffers (the
-                copy-in / mixed-precision cast of the shards, the flat all-gather output, the reduce-scatter
-                input), optimizer-step temporaries, module buffers (RoPE tables).
+  params, optimizer, pp_buffers   by role, registered when tracking starts (the receive buffers are filled by
+                c10d, never by an aten op): the 1/d shard (with FSDP's padding of uneven dim-0 splits) under
+                ZeRO-2/3, the local shard under TP, ~1/d of the AdamW state under ZeRO-1..3.
+  param_copies  FSDP's all-gathered unsharded parameters (bf16 under mixed precision) and autocast's bf16 casts
+                of parameters (an aten cast whose input is a parameter). ZeRO-2 keeps every unit's copy from its
+                forward to its backward (all N parameters at full size at the end of the forward); ZeRO-3 frees
+                each unit's copy after its forward and gathers it again for its backward.
+  grads         the storages .grad points into, and DDP's buckets under gradient_as_bucket_view (apply_ddp sets
+                it) from the start: the reducer owns them in C++, so they count by size until its first write.
+  grad_buffers  FSDP's unsharded parameters' .grad and unsharded_accumulated_grad (persisting across
+                micro-batches when a pipeline accumulates without a sync).
+  activations   allocations in the forward (the batch, every op output) and in a checkpoint's recomputation.
+  loss          allocations of aten's log_softmax / nll backward, and inside loss_parallel's handlers for them.
+  other         the rest: backward allocations, FSDP's own methods (its staging buffers), the optimizer step,
+                module buffers.
 
 Each category field is that category's maximum over the step. `peak` is the maximum of the total, which is at
 most the sum of the fields (the categories peak at different moments: activations at the end of a forward,
@@ -65,8 +58,8 @@ class MemoryReport(BaseModel):
     device: str
     params: int = Field(description="Persistent (sharded) parameters.")
     param_copies: int = Field(description="Max of gathered / cast working copies of parameters.")
-    grads: int = Field(description="Max of the optimizer-facing .grad tensors.")
-    grad_buffers: int = Field(description="Max of DDP buckets and FSDP unsharded gradients.")
+    grads: int = Field(description="Max of the optimizer-facing gradients (.grad; DDP bucket views).")
+    grad_buffers: int = Field(description="Max of FSDP unsharded gradients (DDP buckets without bucket views).")
     optimizer: int = Field(description="Optimizer state.")
     activations: int = Field(description="Max of live forward-created and recomputed tensors.")
     loss: int = Field(0, description="Max of the loss gradients (nll_loss and log_softmax backward).")

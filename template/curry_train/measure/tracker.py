@@ -43,6 +43,9 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 # The categories are curry_train/breakdown.py's, shared with the estimator. The loss gradients ([tokens, vocab]
 # fp32) are found by the aten ops that make them (F.cross_entropy's backward decomposes into these).
 _LOSS_OPS = {torch.ops.aten._log_softmax_backward_data.default, torch.ops.aten.nll_loss_backward.default}
+# Under TP's loss_parallel (parallel/tensor_parallel.py) DTensor runs these two ops through its own handlers
+# (torch.distributed.tensor.parallel.loss.customized_loss_ops, installed each time loss_parallel() is entered),
+# which make the same gradients from elementwise ops on the local shard: allocations inside them are `loss` too.
 
 
 def _storages(t: torch.Tensor):
@@ -89,7 +92,7 @@ class StepMemoryTracker(TorchDispatchMode):
         self.live: dict[int, list] = {}  # storage key -> [bytes, tag]; tags: pre fwd bwd opt pcopy
         self.refs: dict[int, weakref.ref] = {}
         self.tag_bytes: Counter = Counter()
-        self.total, self.peak, self.in_optimizer, self.in_fsdp = 0, 0, False, 0
+        self.total, self.peak, self.in_optimizer, self.in_fsdp, self.in_loss = 0, 0, False, 0, 0
         self.maxima = dict.fromkeys(CATEGORIES, 0)
         self.at_peak = dict.fromkeys(CATEGORIES, 0)
         self._roots(par)
@@ -130,10 +133,13 @@ class StepMemoryTracker(TorchDispatchMode):
             for t in [*fp.all_gather_outputs, fp.__dict__.get("_unsharded_param")]:
                 if t is not None:
                     self.copy_keys.update(self._register(t, "pre"))
-        buckets = []
+        buckets, self.buckets_are_grads = [], False
         for part in par.parts:
             if isinstance(part, DistributedDataParallel):
                 buckets += [b.buffer().nbytes for b in part.reducer._get_zeros_like_grad_buckets()]
+                # gradient_as_bucket_view: the buckets are the .grad storage whether or not a .grad points into
+                # them right now (breakdown.py: grads)
+                self.buckets_are_grads = bool(part.gradient_as_bucket_view)
         # The reducer owns its buckets in C++: they are counted by size until the reducer's first in-place write
         # into one shows its storage (`_adopt`), which then replaces the placeholder.
         self.bucket_keys = set()
@@ -200,10 +206,10 @@ class StepMemoryTracker(TorchDispatchMode):
                     cat[c] += n
                     rest[tag] -= n
 
-        # .grad first: under gradient_as_bucket_view a DDP bucket *is* the gradients it holds views of; while no
-        # .grad points into it (forward, after zero_grad) it is a gradient buffer
+        # .grad first; under gradient_as_bucket_view a DDP bucket *is* the gradients it holds views of, also while
+        # no .grad points into it (forward, after zero_grad): the contract of breakdown.py files it with grads
         take("grads", [st._cdata for p in self.params if p.grad is not None for st in _storages(p.grad)])
-        take("grad_buffers", list(self.bucket_keys))
+        take("grads" if self.buckets_are_grads else "grad_buffers", list(self.bucket_keys))
         unsharded_grads = []
         for fp in self.fsdp_params:
             unsharded = fp.__dict__.get("_unsharded_param")
@@ -228,6 +234,8 @@ class StepMemoryTracker(TorchDispatchMode):
     def _tag(self, func: Any, args: tuple) -> str:
         if self.in_optimizer:
             return "opt"
+        if self.in_loss:
+            return "loss"
         if self.in_fsdp:
             return "comm"  # FSDP's staging buffers; its unsharded params and sharded grads are found by role
         if (func is torch.ops.aten._to_copy.default and args and _real(args[0])
@@ -279,23 +287,32 @@ class StepMemoryTracker(TorchDispatchMode):
         torch.UntypedStorage.resize_ = resize_
         for group in self.fsdp_groups:  # mark allocations made by FSDP's own collectives and copies
             for name in _FSDP_METHODS:
-                setattr(group, name, self._in_fsdp_call(getattr(group, name)))
+                setattr(group, name, self._inside("in_fsdp", getattr(group, name)))
+        from torch.distributed.tensor.parallel import loss as tp_loss
+
+        self._loss_handlers = {op: tp_loss.customized_loss_ops[op] for op in _LOSS_OPS}
+        for op, handler in self._loss_handlers.items():
+            tp_loss.customized_loss_ops[op] = self._inside("in_loss", handler)
         with self.lock:
             self._event()
         return super().__enter__()
 
-    def _in_fsdp_call(self, method: Any) -> Any:
+    def _inside(self, counter: str, fn: Any) -> Any:
+        """`fn`, counting its calls in progress in the attribute `counter` (in_fsdp, in_loss), which _tag reads."""
         def run(*args: Any, **kwargs: Any) -> Any:
-            self.in_fsdp += 1
+            setattr(self, counter, getattr(self, counter) + 1)
             try:
-                return method(*args, **kwargs)
+                return fn(*args, **kwargs)
             finally:
-                self.in_fsdp -= 1
+                setattr(self, counter, getattr(self, counter) - 1)
 
         return run
 
     def __exit__(self, *exc: object) -> None:
         torch.UntypedStorage.resize_ = self._orig_resize
+        from torch.distributed.tensor.parallel import loss as tp_loss
+
+        tp_loss.customized_loss_ops.update(self._loss_handlers)
         for group in self.fsdp_groups:
             for name in _FSDP_METHODS:
                 group.__dict__.pop(name, None)
