@@ -2,13 +2,13 @@
 
     python -c "from curry_train.config import load_config; from curry_train.measure.memory import measure_memory; \
                print(measure_memory(load_config('configs/tiny.yaml')))"        # one process; ranks: job kind "memory"
-
-`measure_memory(cfg, steps=2)` runs inside a rank after the process group is up: `train.setup`, steps - 1 warm-up
+ `measure_memory(cfg, steps=2)` runs inside a rank after the process group is up: `train.setup`, steps - 1 warm-up
 steps (AdamW state exists only after the first optimizer step; one more if DDP has not yet re-allocated its
 buckets, which it does once, in the forward after the first synced backward), then tracks one full step (every
-micro-batch's forward and backward, the optimizer step and zero_grad). Every tensor storage alive during that step is counted once (views and shared storages
-de-duplicated; a DTensor counts its local shard) in exactly one category of curry_train/breakdown.py, by the
-contract written there (the estimator files its bytes by the same one). How the tracker finds each:
+micro-batch's forward and backward, the optimizer step and zero_grad). Every tensor storage alive during that step
+is counted once (views and shared storages de-duplicated; a DTensor counts its local shard) in exactly one
+category of curry_train/breakdown.py, by the contract written there (the estimator files its bytes by the same
+one). How the tracker finds each:
 
   params, optimizer, pp_buffers   by role, registered when tracking starts (the receive buffers are filled by
                 c10d, never by an aten op): the 1/d shard (with FSDP's padding of uneven dim-0 splits) under
