@@ -2,7 +2,8 @@
 
     python -c "from curry_train.config import load_config; from curry_train.measure.memory import measure_memory; \
                print(measure_memory(load_config('configs/tiny.yaml')))"        # one process; ranks: job kind "memory"
- `measure_memory(cfg, steps=2)` runs inside a rank after the process group is up: `train.setup`, steps - 1 warm-up
+
+`measure_memory(cfg, steps=2)` runs inside a rank after the process group is up: `train.setup`, steps - 1 warm-up
 steps (AdamW state exists only after the first optimizer step; one more if DDP has not yet re-allocated its
 buckets, which it does once, in the forward after the first synced backward), then tracks one full step (every
 micro-batch's forward and backward, the optimizer step and zero_grad). Every tensor storage alive during that step
