@@ -100,8 +100,9 @@ def _cmd_whitebox(a: argparse.Namespace) -> int:
 
     if a.list_injections:
         return _list_injections(a.json)
-    if a.steps < 1:
-        print(f"curry-train whitebox: --steps {a.steps}: a white-box compares at least 1 optimizer step (default 2)",
+    if a.steps is not None and a.steps < 1:
+        print(f"curry-train whitebox: --steps {a.steps}: a white-box compares at least 1 optimizer step (default: 2, "
+              "or through the end of the lr warm-up)",
               file=sys.stderr)
         return EXIT_INVALID
     if not a.timeout > 0:
@@ -163,8 +164,9 @@ def build_parser() -> argparse.ArgumentParser:
                        epilog="exit codes: 0 passed, 1 parity failed, 2 bad input (nothing launched), 3 the run "
                               "could not finish (timeout, crash, out of memory)")
     add_config_args(p)
-    p.add_argument("--steps", type=int, default=2,
-                   help="optimizer steps to compare (>= 1; 2 also exercises the optimizer state)")
+    p.add_argument("--steps", type=int, default=None,
+                   help="optimizer steps to compare (>= 1; default: 2, or through the first step after the lr "
+                        "warm-up, at most 8; more goes further)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds before every rank is killed (exit 3)")
     p.add_argument("--inject", metavar="NAME", default=None,
                    help="plant one known bug in the parallel run only; the verdict must fail (--list-injections)")

@@ -76,22 +76,22 @@ from curry_train.config import Config
 from curry_train.validation.verdict import ParamDiff, Verdict
 
 FP32 = {"loss_rtol": 1e-5, "grad_atol": 1e-6, "grad_rtol": 1e-5, "grad_rel_l2": 1e-4, "grad_norm_rtol": 1e-5,
-        "update_rtol": 1e-3, "update_atol": 1e-9, "adam_free_grad": 1e-6, "free_lr": 1.0}
-BF16 = {"loss_rtol": 2e-2, "grad_rel_l2": 5e-2, "grad_norm_rtol": 5e-2}
+        "update_rtol": 1e-3, "update_atol": 1e-9, "adam_free_grad": 1e-6, "free_lr": 1.0, "act_rtol": 1e-4}
+BF16 = {"loss_rtol": 2e-2, "grad_rel_l2": 5e-2, "grad_norm_rtol": 5e-2, "act_rtol": 2e-2}
 HUGE = 1e30  # the ratio recorded for NaN (never <= 1, and JSON-safe unlike inf)
 
 
 def layer_order(name: str) -> tuple[int, int]:
     if name.startswith("tok_embeddings"):
         return (0, 0)
-    m = re.match(r"layers\.(\d+)\.", name)
+    m = re.match(r"layers\.(\d+)(\.|$)", name)
     if m:
         return (1, int(m.group(1)))
     return (2, 0 if name.startswith("norm") else 1)
 
 
 def module_of(name: str) -> str:
-    m = re.match(r"(layers\.\d+)\.", name)
+    m = re.match(r"(layers\.\d+)(\.|$)", name)
     return m.group(1) if m else name.split(".")[0]
 
 
@@ -112,8 +112,10 @@ def _exact(diff: float, scale: float) -> float:
 
 class _Checker:
     """Accumulates failures, the worst (diff / allowed) ratio per stage, and the largest fraction of each bound
-    used (`use`, per check). A stage is (step, 0) for the step's gradients and (step, 1) for the parameters after
-    its update; the verdict localises in the earliest failing stage (a wrong step makes the next ones differ)."""
+    used (`use`, per check). A stage is (step, -1) for the step's forward activations, (step, 0) for its
+    gradients and (step, 1) for the parameters after its update; the verdict localises in the earliest failing
+    stage (a wrong step makes the next ones differ). `scalar_ranks`: stage -> ranks whose own loss or clip norm
+    failed (used to name a rank only when no tensor copy did)."""
 
     def __init__(self, bf16: bool, tol: dict[str, float]):
         self.bf16, self.tol = bf16, tol
@@ -122,6 +124,7 @@ class _Checker:
         self.failing: dict[tuple[int, int], list[str]] = {}  # stage -> reference names of failing tensors
         self.worst: dict[tuple[int, int], tuple[float, ParamDiff]] = {}
         self.ranks: dict[tuple[int, int], list[int]] = {}  # stage -> ranks whose copy fails
+        self.scalar_ranks: dict[tuple[int, int], list[int]] = {}
         self.use: dict[str, float] = {}
 
     def used(self, check: str, ratio: float) -> float:
@@ -223,11 +226,33 @@ class _Checker:
                                       f"L2 {float(d_ref.norm()):.3e})", None)
         return acc
 
+    def act(self, step: int, name: str, a: torch.Tensor, b: torch.Tensor | None) -> None:
+        """One probed module's forward sums (validation/activations.py) against the reference's."""
+        from curry_train.validation.activations import act_check
+
+        ratio, measured, allowed, metric = act_check(a, b, self.tol["act_rtol"])
+        ratio = self.used("activation", ratio)
+        diff = ParamDiff(name=f"act[step {step}] {name}", max_abs_diff=measured, allowed=allowed,
+                         ref_max_abs=float(a[1].sum()), metric=metric, measured=measured)
+        self._record(ratio, diff, name, f"act[step {step}] {name} (forward output): {metric} {measured:.3e} > "
+                                        f"allowed {allowed:.3e}", None)
+
+    def rank_scalar(self, check: str, step: int, rank: int, got: float | None, ref: float, allowed: float) -> None:
+        """One rank's own loss or clip norm (replicated values: every rank must hold the reference's)."""
+        if got is None:
+            return
+        if not self.used(check, abs(got - ref) / allowed) <= 1.0:
+            self.failures.append(f"{check.replace('_', ' ')} step {step}, rank {rank}: {got:.6g} vs reference "
+                                 f"{ref:.6g} (allowed |diff| {allowed:.3e})")
+            self.scalar_ranks.setdefault((step, 0), []).append(rank)
+
     def localise(self) -> tuple[ParamDiff | None, str | None, int | None]:
         """(worst tensor, first diverging module) of the earliest failing stage, and the lowest rank whose copy
-        failed at the earliest stage where one did. A failing verdict never names a passing tensor: when only a
-        scalar (loss, grad norm) failed, worst and module are None. A passing one names its largest ratio."""
-        rank = min(self.ranks[min(self.ranks)]) if self.ranks else None
+        failed at the earliest stage where one did (else whose own loss or clip norm did). A failing verdict never
+        names a passing tensor: when only a scalar (loss, grad norm) failed, worst and module are None. A passing
+        one names its largest ratio."""
+        ranks = self.ranks or ({} if self.failing else self.scalar_ranks)  # scalars name a rank only alone
+        rank = min(ranks[min(ranks)]) if ranks else None
         if self.failing:
             stage = min(self.failing)
             first = min(self.failing[stage], key=layer_order)
@@ -267,7 +292,13 @@ def compare(cfg: Config, ref: dict[str, Any], par: dict[str, Any], steps: int) -
     starts = ref.get("starts") or [before, *(ref.get("params") or [])]
     cap = tol.get("free_lr", 1.0) * cfg.train.lr
     n = min(steps, len(ref.get("grads") or []), len(par.get("grads") or []))
+    acts_ref, acts_par = list(ref.get("acts") or []), list(par.get("acts") or [])
+    rank_scalars = list(par.get("rank_scalars") or [])
     for s in range(n):
+        c.stage = (s, -1)
+        if s < len(acts_ref) and not (bf16 and s > 0):
+            for name in sorted(acts_ref[s], key=layer_order):  # forward order: the first failing is the origin
+                c.act(s, name, acts_ref[s][name], (acts_par[s] if s < len(acts_par) else {}).get(name))
         c.stage = (s, 0)
         rg, pg = ref["grads"][s], par["grads"][s] or {}
         gn_ref.append(_norm(rg))
@@ -275,6 +306,11 @@ def compare(cfg: Config, ref: dict[str, Any], par: dict[str, Any], steps: int) -
         bound = 1e-6 + tol["grad_norm_rtol"] * gn_ref[-1]
         if not c.used("grad_norm", abs(gn_ref[-1] - gn_par[-1]) / bound) <= 1.0:
             c.failures.append(f"grad norm step {s}: {gn_par[-1]:.6g} vs reference {gn_ref[-1]:.6g}")
+        for rank, mine in enumerate(rank_scalars):  # every rank's own loss and the norm it clipped by
+            if s < len(mine):
+                c.rank_scalar("rank_loss", s, rank, mine[s][0], losses_ref[s],
+                              tol["loss_rtol"] * max(1.0, abs(losses_ref[s])))
+                c.rank_scalar("rank_clip_norm", s, rank, mine[s][1], gn_ref[-1], bound)
         if not (bf16 and s > 0):  # after one bf16 AdamW step the weights legitimately differ: step 0 only
             for name in sorted(rg, key=layer_order):
                 c.grad(f"grad[step {s}]", name, rg[name], pg.get(name))

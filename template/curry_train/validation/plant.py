@@ -306,6 +306,47 @@ def ddp_rank_sum(stack, cfg: Config, target: str | None) -> Planted:
     return Planted(after_setup=after)
 
 
+def lr_warmup_restart(stack, cfg: Config, target: str | None) -> Planted:
+    """At the end of the warm-up the ranks' schedule restarts from its first value (a warm-up scheduler handed to
+    the main one with its own step count reset, as a SequentialLR-style chain can): lr_at(step - warmup_steps)
+    from step warmup_steps on. Steps before the boundary are exact, so it is caught only when the compared steps
+    reach the boundary (whitebox.default_steps)."""
+    from curry_train.train import optim
+
+    exact, w = optim.lr_at, cfg.train.warmup_steps
+    _patch(stack, optim, "lr_at", lambda cfg, step: exact(cfg, step - w if step >= w else step))
+    return Planted()
+
+
+def mid_layer_forward(stack, cfg: Config, target: str | None) -> Planted:
+    """Rank 1's middle transformer block returns its output 0.1% too large (a forward-only error on one rank:
+    a wrong scale or a stale buffer in that block). Every layer's gradient below it changes too, so only the
+    forward activations can say where it starts."""
+    name = target or f"layers.{cfg.model.n_layers // 2}"
+
+    def after(par: Any) -> None:
+        from curry_train.parallel.parallelize import canonical_name
+
+        if _rank() != 1:
+            return
+        for part in par.parts:
+            for n, m in part.named_modules():
+                if canonical_name(n) == name:
+                    m.register_forward_hook(lambda mod, args, out: out * 1.001)
+
+    return Planted(after_setup=after)
+
+
+def cp_loss_unreduced(stack, cfg: Config, target: str | None) -> Planted:
+    """The step's loss is averaged over the dp ranks only, not dp x cp (train.loop.forward_backward reads its
+    group from grad_reduce_group by name): each cp rank reports the loss of its own sequence chunks. Gradients
+    and updates are exact (the reported loss is not what backward ran on); only the per-rank scalar is wrong."""
+    from curry_train.train import loop
+
+    _patch(stack, loop, "grad_reduce_group", lambda par: None if par.mesh is None else par.mesh["dp"].get_group())
+    return Planted()
+
+
 PLANTERS = {
     "ddp-unreduced-grad": ddp_unreduced_grad,
     "zero1-no-weight-decay": zero1_no_weight_decay,
@@ -323,4 +364,7 @@ PLANTERS = {
     "clip-local-norm-fsdp": clip_local_norm,
     "clip-local-norm-tp": clip_local_norm,
     "ddp-rank-sum": ddp_rank_sum,
+    "lr-warmup-restart": lr_warmup_restart,
+    "mid-layer-forward": mid_layer_forward,
+    "cp-loss-unreduced": cp_loss_unreduced,
 }

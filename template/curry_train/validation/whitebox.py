@@ -1,6 +1,7 @@
 """White-box comparison: the parallel run must compute the same loss, gradients and updates as one device.
 
-    curry-train whitebox --config configs/tiny.yaml --set parallel.dp=2 --json        # 2 steps by default
+    curry-train whitebox --config configs/tiny.yaml --set parallel.dp=2 --json        # default_steps: 2, or to the
+                                                                                      # end of a short warm-up
     curry-train whitebox --config configs/tiny.yaml --set parallel.dp=2 --inject data-same-rows   # must fail
 
 Reference (one process, independent of the parallel code): the full model from the same seed, plain AdamW, and
@@ -37,6 +38,7 @@ from typing import Any
 import torch
 
 from curry_train.config import Config, from_dict
+from curry_train.validation.activations import ActivationProbe, probed_names
 from curry_train.validation.compare import compare
 from curry_train.validation.verdict import Verdict
 
@@ -156,6 +158,8 @@ def parallel_job(spec: dict[str, Any]) -> dict[str, Any]:
     import torch.distributed as dist
 
     from curry_train.mesh import device_type
+    from curry_train.model.gpt import build_meta_model
+    from curry_train.parallel.parallelize import canonical_name
     from curry_train.train.loop import init_distributed, setup, train_step
     from curry_train.validation.plant import planted
 
@@ -164,24 +168,35 @@ def parallel_job(spec: dict[str, Any]) -> dict[str, Any]:
         device = init_distributed(cfg)
         par = setup(cfg, device, model_hook=bug.model_hook)
         bug.after_setup(par)
-        losses, grads, params, replicas, holders, grad_replicas = [], [], [], [], [], []
+        probe = ActivationProbe(par.parts, cfg.model.d_model, canonical_name)
+        names, tokens = probed_names(build_meta_model(cfg)), cfg.train.global_batch * cfg.train.seq_len
+        losses, grads, params, replicas, holders, grad_replicas, acts, scalars = [], [], [], [], [], [], [], []
 
         def read_grads(loss: torch.Tensor) -> None:  # reads only: the step goes on with the same gradients
+            acts.append(probe.take(names, tokens))  # this step's forward, summed over every rank's tokens
             local = _local_full(par, "grad")  # every rank's reduced gradients, checksummed across replicas too
             grads.append(_merge_on_rank0(par, local))
             grad_replicas.append(replica_copies(local)[0])
 
         for step in range(spec.get("steps", 2)):
-            losses.append(train_step(par, step, after_backward=read_grads).loss)
+            r = train_step(par, step, after_backward=read_grads)
+            losses.append(r.loss)
+            scalars.append((r.loss, r.grad_norm))  # this rank's own loss and the norm it clipped by
             local = _local_full(par, "param")  # after every update: the first wrong step is the one named
             params.append(_merge_on_rank0(par, local))
             copies, held = replica_copies(local)
             replicas.append(copies)
             holders.append(held)
+        probe.close()
+        rank_scalars: list[Any] = [scalars]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            rank_scalars = [None] * dist.get_world_size()
+            dist.all_gather_object(rank_scalars, scalars)
     if not dist.is_initialized() or dist.get_rank() == 0:
         path = Path(spec["out_dir"]) / f"parallel_{spec.get('tag', 'run')}.pt"
         torch.save({"losses": losses, "grads": grads, "params": params, "replicas": replicas,
-                    "holders": holders, "grad_replicas": grad_replicas}, path)
+                    "holders": holders, "grad_replicas": grad_replicas, "acts": acts,
+                    "rank_scalars": rank_scalars}, path)
     return {"losses": losses}
 
 
@@ -210,9 +225,10 @@ def reference(cfg: Config, steps: int, weights: list[dict[str, torch.Tensor] | N
     positions = torch.arange(cfg.train.seq_len, device=device)
     with deterministic(dev):
         model = build_model(ref_cfg).to(device)
+        probe, names = ActivationProbe([model], cfg.model.d_model), probed_names(model)
         before = {k: p.detach().cpu().clone() for k, p in model.named_parameters()}
         opt = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
-        losses, grads, params, starts = [], [], [], []
+        losses, grads, params, starts, acts = [], [], [], [], []
         for step in range(steps):
             if weights is not None and step > 0:
                 _load(model, weights[step - 1] or {})
@@ -228,10 +244,13 @@ def reference(cfg: Config, steps: int, weights: list[dict[str, torch.Tensor] | N
                 ((loss if extra is None else loss + extra) / k).backward()
                 total += loss.item() / k
             losses.append(total)
+            acts.append(probe.take(names, inputs.numel()))
             grads.append({n: p.grad.detach().float().cpu().clone() for n, p in model.named_parameters()})
             optimizer_step(opt, [model], ref_cfg, step)
             params.append({n: p.detach().cpu().clone() for n, p in model.named_parameters()})
-    return {"losses": losses, "grads": grads, "params": params, "params_before": before, "starts": starts}
+    probe.close()
+    return {"losses": losses, "grads": grads, "params": params, "params_before": before, "starts": starts,
+            "acts": acts}
 
 
 @torch.no_grad()
@@ -247,13 +266,40 @@ def _load(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
 # --------------------------------------------------------------------------- drivers
 
 
+MAX_DEFAULT_STEPS = 8  # a default horizon, not a limit: --steps goes further (see default_steps)
+
+
+def default_steps(cfg: Config) -> int:
+    """Steps compared when none are given: 2 (the second exercises the optimizer state), or up to and including
+    the first step after the warm-up (step index train.warmup_steps: the schedule's boundary, where a schedule bug
+    starts), at most MAX_DEFAULT_STEPS. Each step is held to the step-0 bounds (re-sync, validation/compare.py),
+    so a longer horizon costs time only: about one training step per rank plus a gather and a reference step.
+    A longer warm-up is not covered by default (it would make the check as long as a training run);
+    `horizon_note` says so in the verdict and names the --steps that covers it."""
+    return max(2, min(cfg.train.warmup_steps + 1, MAX_DEFAULT_STEPS))
+
+
+def horizon_note(cfg: Config, steps: int) -> str:
+    """What of the lr schedule (train/optim.py lr_at) the compared steps 0..steps-1 reach."""
+    w, t = cfg.train.warmup_steps, cfg.train
+    if w == 0:
+        covered = "no warm-up"
+    elif steps > w:
+        covered = f"the warm-up boundary (step {w}, the first at the full lr) is compared"
+    else:
+        covered = f"the warm-up ends at step {w}, beyond the {steps} step(s) compared: pass --steps {w + 1} to cover it"
+    if t.lr_schedule == "cosine":
+        covered += f"; cosine decay to lr/10 at step {t.steps} " + ("compared" if steps > t.steps else "not reached")
+    return covered
+
+
 def check_steps(steps: int, timeout: float | None = None) -> None:
     """Refuse a white-box that would compare nothing or could never start (exit 2, nothing run)."""
     from curry_train.validation.inject import WhiteboxInputError
 
     if not isinstance(steps, int) or steps < 1:
-        raise WhiteboxInputError(f"steps={steps}: a white-box compares at least 1 optimizer step (default 2; 2 or more "
-                          "also exercise the optimizer state)")
+        raise WhiteboxInputError(f"steps={steps}: a white-box compares at least 1 optimizer step (default 2, or "
+                                 "through the end of the lr warm-up; 2 or more also exercise the optimizer state)")
     if timeout is not None and not timeout > 0:
         raise WhiteboxInputError(f"timeout={timeout}: give a positive number of seconds (default 900)")
 
@@ -267,9 +313,11 @@ def _spec(cfg: Config, steps: int, tag: str, inject: str | None, target: str | N
             "inject": inject, "inject_target": target}
 
 
-def run_whitebox(cfg: Config, *, steps: int = 2, run_dir: Path, timeout: float = 600.0, cancel=None,
+def run_whitebox(cfg: Config, *, steps: int | None = None, run_dir: Path, timeout: float = 600.0, cancel=None,
                  launcher: str = "torchrun", inject: str | None = None, inject_target: str | None = None) -> Verdict:
-    """Launch the parallel run (torchrun by default), compute the reference here, compare."""
+    """Launch the parallel run (torchrun by default), compute the reference here, compare. `steps` None:
+    default_steps(cfg)."""
+    steps = default_steps(cfg) if steps is None else steps
     check_steps(steps, timeout)
     spec = _spec(cfg, steps, "run", inject, inject_target)
     t0 = time.perf_counter()
@@ -314,16 +362,19 @@ def single_device_reference(cfg: Config, steps: int,
 
 def compare_saved(cfg: Config, path: Path, steps: int) -> Verdict:
     par = torch.load(path, weights_only=False)
-    return compare(cfg, single_device_reference(cfg, steps, weights=list(par.get("params") or [])), par, steps)
+    verdict = compare(cfg, single_device_reference(cfg, steps, weights=list(par.get("params") or [])), par, steps)
+    verdict.horizon = horizon_note(cfg, steps)
+    return verdict
 
 
-def whitebox_batch(cfgs: list[Config], *, steps: int = 2, out_dir: Path, timeout: float = 300.0,
+def whitebox_batch(cfgs: list[Config], *, steps: int | None = None, out_dir: Path, timeout: float = 300.0,
                    inject: str | list[str | None] | None = None, inject_target: str | None = None) -> list[Verdict]:
     """Tests: run every config of one world size in a single forkserver launch, then compare each. `inject`: one
-    name for all configs, or one per config (None = clean)."""
+    name for all configs, or one per config (None = clean). `steps` None: the largest default_steps of them."""
     from curry_train.train.jobs import rank_jobs
     from curry_train.train.launch import launch_forkserver
 
+    steps = max(default_steps(c) for c in cfgs) if steps is None else steps
     check_steps(steps, timeout)
     worlds = {c.world_size for c in cfgs}
     if len(worlds) != 1:
