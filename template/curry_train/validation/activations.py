@@ -28,7 +28,9 @@ recomputation; the counts would show a second firing (2x the tokens).
 
 from __future__ import annotations
 
+import contextlib
 import re
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -56,6 +58,7 @@ class ActivationProbe:
         self.d = d_model
         self.sums: dict[str, torch.Tensor] = {}  # name -> float64 [3, d]: S1, S2, and N in [2, 0]
         self.handles = []
+        self.paused = False
         for part in parts:
             for name, module in part.named_modules():
                 ref = canonical(name)
@@ -64,6 +67,8 @@ class ActivationProbe:
 
     def _hook(self, name: str):
         def hook(module: nn.Module, args: Any, out: Any) -> None:
+            if self.paused or not torch.is_grad_enabled() or out.is_meta:  # not a forward of the step
+                return
             h = _local(out).detach().reshape(-1, self.d).double().cpu()  # [tokens, d]
             acc = self.sums.setdefault(name, torch.zeros(3, self.d, dtype=torch.float64))
             acc[0] += h.sum(0)
@@ -93,6 +98,32 @@ class ActivationProbe:
                 s[2, 0] = tokens
             out[n] = s
         return out
+
+    @contextlib.contextmanager
+    def skipping_pipeline_inference(self) -> Iterator[None]:
+        """torch.distributed.pipelining runs each stage's forward once more in its first step, to infer the
+        shapes it sends (PipelineStage._forward_metadata_inference: real inputs on stage 0, uninitialised ones
+        on the others); those outputs are not the step's and are not recorded."""
+        from torch.distributed.pipelining import stage
+
+        owner = next((c for c in stage.PipelineStage.__mro__ if "_forward_metadata_inference" in vars(c)), None)
+        if owner is None:
+            raise RuntimeError(f"torch {torch.__version__}: PipelineStage has no _forward_metadata_inference; "
+                               "validation/activations.py must learn how this version infers stage shapes")
+        exact = owner._forward_metadata_inference
+
+        def inference(stage_self, *args, **kwargs):
+            self.paused = True
+            try:
+                return exact(stage_self, *args, **kwargs)
+            finally:
+                self.paused = False
+
+        owner._forward_metadata_inference = inference
+        try:
+            yield
+        finally:
+            owner._forward_metadata_inference = exact
 
     def close(self) -> None:
         for h in self.handles:

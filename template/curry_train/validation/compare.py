@@ -77,7 +77,7 @@ from curry_train.validation.verdict import ParamDiff, Verdict
 
 FP32 = {"loss_rtol": 1e-5, "grad_atol": 1e-6, "grad_rtol": 1e-5, "grad_rel_l2": 1e-4, "grad_norm_rtol": 1e-5,
         "update_rtol": 1e-3, "update_atol": 1e-9, "adam_free_grad": 1e-6, "free_lr": 1.0, "act_rtol": 1e-4}
-BF16 = {"loss_rtol": 2e-2, "grad_rel_l2": 5e-2, "grad_norm_rtol": 5e-2, "act_rtol": 2e-2}
+BF16 = {"loss_rtol": 2e-4, "grad_rel_l2": 5e-2, "grad_norm_rtol": 6e-4, "act_rtol": 2e-3}
 HUGE = 1e30  # the ratio recorded for NaN (never <= 1, and JSON-safe unlike inf)
 
 
@@ -264,6 +264,14 @@ class _Checker:
         return (best[1] if best else None), None, None
 
 
+def bf16_cast_exact(cfg: Config) -> bool:
+    """A bf16 layout whose every bf16 operation has the shape the reference's has (docstring, "bfloat16"): the
+    batch is split only at micro-batch boundaries (dp, ZeRO/FSDP, HSDP, pp, recompute), never a matmul's inner
+    or token dimension (tp, cp, ep)."""
+    p = cfg.parallel
+    return p.tp == 1 and p.cp == 1 and p.ep == 1
+
+
 def _norm(grads: dict[str, torch.Tensor]) -> float:
     return float(torch.sqrt(sum((g.double() ** 2).sum() for g in grads.values()))) if grads else 0.0
 
@@ -271,7 +279,7 @@ def _norm(grads: dict[str, torch.Tensor]) -> float:
 def compare(cfg: Config, ref: dict[str, Any], par: dict[str, Any], steps: int) -> Verdict:
     """Verdict of parallel results `par` (whitebox.parallel_job's file) against whitebox.reference's `ref`,
     re-synchronised to `par`'s weights (docstring, "re-sync")."""
-    bf16 = cfg.train.dtype == "bfloat16"
+    bf16 = cfg.train.dtype == "bfloat16" and not bf16_cast_exact(cfg)  # else held to the fp32 bounds
     tol = dict(BF16 if bf16 else FP32)
     c = _Checker(bf16, tol)
     losses_ref, losses_par = list(ref.get("losses") or []), list(par.get("losses") or [])
@@ -296,7 +304,7 @@ def compare(cfg: Config, ref: dict[str, Any], par: dict[str, Any], steps: int) -
     rank_scalars = list(par.get("rank_scalars") or [])
     for s in range(n):
         c.stage = (s, -1)
-        if s < len(acts_ref) and not (bf16 and s > 0):
+        if s < len(acts_ref):
             for name in sorted(acts_ref[s], key=layer_order):  # forward order: the first failing is the origin
                 c.act(s, name, acts_ref[s][name], (acts_par[s] if s < len(acts_par) else {}).get(name))
         c.stage = (s, 0)
@@ -311,9 +319,8 @@ def compare(cfg: Config, ref: dict[str, Any], par: dict[str, Any], steps: int) -
                 c.rank_scalar("rank_loss", s, rank, mine[s][0], losses_ref[s],
                               tol["loss_rtol"] * max(1.0, abs(losses_ref[s])))
                 c.rank_scalar("rank_clip_norm", s, rank, mine[s][1], gn_ref[-1], bound)
-        if not (bf16 and s > 0):  # after one bf16 AdamW step the weights legitimately differ: step 0 only
-            for name in sorted(rg, key=layer_order):
-                c.grad(f"grad[step {s}]", name, rg[name], pg.get(name))
+        for name in sorted(rg, key=layer_order):  # every step: re-synchronised, both start from the same weights
+            c.grad(f"grad[step {s}]", name, rg[name], pg.get(name))
         for name in sorted(set(pg) - set(rg)):
             c.failures.append(f"grad {name}: not a reference parameter (name mapping broken)")
         for rank, copies in sorted(((par.get("grad_replicas") or [{}] * n)[s] or {}).items()):

@@ -28,6 +28,7 @@ the compute, not for four cold torch imports on a loaded 2-core machine.
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import os
 import time
@@ -178,8 +179,10 @@ def parallel_job(spec: dict[str, Any]) -> dict[str, Any]:
             grads.append(_merge_on_rank0(par, local))
             grad_replicas.append(replica_copies(local)[0])
 
+        skip = probe.skipping_pipeline_inference() if par.topo.pp > 1 else contextlib.nullcontext()
         for step in range(spec.get("steps", 2)):
-            r = train_step(par, step, after_backward=read_grads)
+            with skip if step == 0 else contextlib.nullcontext():
+                r = train_step(par, step, after_backward=read_grads)
             losses.append(r.loss)
             scalars.append((r.loss, r.grad_norm))  # this rank's own loss and the norm it clipped by
             local = _local_full(par, "param")  # after every update: the first wrong step is the one named
@@ -203,7 +206,8 @@ def parallel_job(spec: dict[str, Any]) -> dict[str, Any]:
 # --------------------------------------------------------------------------- reference (one process)
 
 
-def reference(cfg: Config, steps: int, weights: list[dict[str, torch.Tensor] | None] | None = None) -> dict[str, Any]:
+def reference(cfg: Config, steps: int, weights: list[dict[str, torch.Tensor] | None] | None = None,
+              cast: str = "fp32") -> dict[str, Any]:
     """The single-device reference: same seed, the step's global batch in order in micro-batches of
     train.micro_batch sequences (full length), fp32, plain AdamW, updated by the ranks' own optimizer step
     (train/optim.py optimizer_step: the same clip and lr schedule). On CUDA: one GPU, TF32 off, deterministic.
@@ -211,10 +215,16 @@ def reference(cfg: Config, steps: int, weights: list[dict[str, torch.Tensor] | N
     `weights` (the parallel run's gathered parameters after each step): before step s >= 1 the model is reset to
     weights[s - 1] (re-synchronised), so step s's gradients and update are taken at the parallel run's own weights
     and every step is held to the step-0 bounds (validation/compare.py, "re-sync"). The optimizer state stays the
-    reference's own, built from its gradients at those weights. `starts[s]`: the weights step s started from."""
+    reference's own, built from its gradients at those weights. `starts[s]`: the weights step s started from.
+
+    `cast` (wrapping.precision_path of the parallel layout): the bf16 casts the ranks make, made here on fp32
+    master weights too: "autocast" runs the forward under torch.autocast(bfloat16) (DDP, TP, PP, CP, single);
+    "mp" computes with bfloat16 copies of every parameter (torch.func.functional_call over p.to(bfloat16), whose
+    backward casts each gradient back to fp32: FSDP2's MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32),
+    which reduce-scatters every micro-step, parallel/parallelize.py grad_sync). The optimizer stays fp32."""
     from curry_train.mesh import device_type
     from curry_train.model.data import global_batch
-    from curry_train.model.gpt import aux_loss, build_model, lm_loss
+    from curry_train.model.gpt import build_model
     from curry_train.train.optim import optimizer_step
 
     dev = device_type(cfg)
@@ -239,10 +249,7 @@ def reference(cfg: Config, steps: int, weights: list[dict[str, torch.Tensor] | N
             total = 0.0
             for i in range(k):
                 x, y = inputs[i * mb:(i + 1) * mb].to(device), targets[i * mb:(i + 1) * mb].to(device)
-                loss = lm_loss(model(x, positions), y)
-                extra = aux_loss(model)
-                ((loss if extra is None else loss + extra) / k).backward()
-                total += loss.item() / k
+                total += _micro_step(model, x, positions, y, cast, k) / k
             losses.append(total)
             acts.append(probe.take(names, inputs.numel()))
             grads.append({n: p.grad.detach().float().cpu().clone() for n, p in model.named_parameters()})
@@ -251,6 +258,30 @@ def reference(cfg: Config, steps: int, weights: list[dict[str, torch.Tensor] | N
     probe.close()
     return {"losses": losses, "grads": grads, "params": params, "params_before": before, "starts": starts,
             "acts": acts}
+
+
+def _micro_step(model: torch.nn.Module, x: torch.Tensor, positions: torch.Tensor, y: torch.Tensor, cast: str,
+                k: int) -> float:
+    """One micro-batch (x, y: [mb, T]) of k: forward under the layout's casts (reference docstring), backward of
+    (loss + aux) / k, its gradients added to `model`'s fp32 .grad. Returns the micro-batch's mean loss."""
+    from curry_train.model.gpt import aux_loss, lm_loss
+
+    run = model
+    if cast == "mp":  # FSDP2's unsharded units: every parameter in bf16, and every floating input of a unit
+        # (cast_forward_inputs: the RoPE tables the root hands each block) too, so the whole model in bf16
+        run = copy.deepcopy(model).to(torch.bfloat16)  # the forward hooks (activation probe) come along
+    if cast == "fp32":
+        loss = lm_loss(model(x, positions), y)
+    else:  # the model's own (chunked) loss, as the ranks run it: its bf16 head per chunk is part of the casts
+        with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=cast == "autocast"):
+            loss = run(x, positions, targets=y)
+    extra = aux_loss(run)
+    ((loss if extra is None else loss + extra) / k).backward()
+    if run is not model:  # reduce_dtype fp32: each micro-step's bf16 gradient cast up, then accumulated
+        for p, q in zip(model.parameters(), run.parameters()):
+            if q.grad is not None:
+                p.grad = q.grad.float() if p.grad is None else p.grad + q.grad.float()
+    return loss.item()
 
 
 @torch.no_grad()
@@ -349,14 +380,18 @@ def single_device_reference(cfg: Config, steps: int,
     run on the config with `parallel` at its defaults, so that a layout cannot leak into it and the uninterrupted
     reference of two layouts of one model is one object. A re-synchronised one depends on the parallel run's
     weights and is computed per run (tiny: 0.06 s for 2 steps, tiny-moe 0.12 s on the 2-core CPU machine)."""
+    from curry_train.wrapping import precision_path
+
+    p = cfg.parallel
+    cast = precision_path(cfg.train.dtype, p.dp, p.cp, p.zero)  # the layout's bf16 casts, none in fp32
     single = from_dict({**cfg.to_dict(), "parallel": {}}, validate=False)
     if weights is not None:
-        return reference(single, steps, weights)
-    key = json.dumps([single.to_dict(), steps], sort_keys=True, default=str)
+        return reference(single, steps, weights, cast)
+    key = json.dumps([single.to_dict(), steps, cast], sort_keys=True, default=str)
     if key not in _REFERENCES:
         while len(_REFERENCES) >= _MAX_REFERENCES:
             _REFERENCES.pop(next(iter(_REFERENCES)))
-        _REFERENCES[key] = reference(single, steps)
+        _REFERENCES[key] = reference(single, steps, cast=cast)
     return _REFERENCES[key]
 
 
