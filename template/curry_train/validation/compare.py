@@ -50,12 +50,26 @@ and 4 ranks, dense and MoE; `Verdict.bound_use` reports the largest share of eac
 CP and gradient accumulation change only the order of fp32 sums (per-chunk then merged, per micro-batch then
 summed), which is the noise above; nothing in those paths runs in lower precision.
 
-bfloat16 runs are compared with the fp32 reference: the loss at every step within 2%, the grad norm within 5%,
-and each parameter's step-0 gradient within 5% relative L2 error (bf16 keeps 8 mantissa bits, ~0.4% per
-rounding, compounded over a few layers). Later-step gradients and the updated weights are not compared in bf16:
-AdamW's first updates are ~lr*sign(g), so any gradient below bf16 resolution flips a whole lr-sized step; those
-paths are proven in fp32, where the same code runs. Replicas (parameters and reduced gradients) are still checked
-in bf16: any copy whose bits differ from the first holder's fails.
+  activations every probed module's forward output (embedding, each block, final norm) as per-feature sums over
+              the step's tokens, all ranks together (validation/activations.py states the bounds, act_rtol 1e-4):
+              the first failing one in forward order is the verdict's first_diverging_layer, because a backward
+              bug shows in every gradient below it but a forward bug only from its own layer on.
+  per rank    every rank's own loss and the norm it clipped by (train.loop.StepResult.grad_norm) against the
+              reference's, with the loss and grad-norm bounds: they are replicated values, so a rank whose value
+              differs is named (diverging_rank) when no tensor copy diverged.
+
+bfloat16 runs are compared with a reference that makes the same casts (whitebox.reference `cast`: autocast, or
+FSDP2's bf16 units reducing in fp32). Layouts that split the batch only at micro-batch boundaries (dp, ZeRO/FSDP,
+HSDP, pp, recompute: `bf16_cast_exact`) then run the reference's bf16 operations on the same shapes, so they are
+held to every fp32 bound above, updates included (measured: <= 0.7% of any bound on dp2, zero3, pp2, dp2 +
+recompute, tiny-moe dp2); a gradient reduced in bf16 instead of fp32 fails at 100-180x. tp, cp and ep split a
+matmul's inner or token dimension, so bf16 rounds other partial sums than the reference (8 mantissa bits, ~0.4%
+per rounding): they keep relative bounds, every step re-synchronised, BF16 below: gradients 5% relative L2 per
+tensor (clean <= 47%: tiny-moe cp2), the grad norm 6e-4 relative (clean <= 44%: tiny-moe tp2; a 1% error in one
+TP partial sum of one block fails at 1.4x), the loss 2e-4, activations 2e-3 (clean <= 10%); their updates are not
+compared (AdamW's first updates are ~lr*sign(g), so a gradient below bf16 resolution flips a whole lr-sized step;
+those paths are proven in fp32, where the same code runs). Replicas (parameters and reduced gradients) are checked
+in every dtype: any copy whose bits differ from the first holder's fails.
 
 GPU (ranks on CUDA, reference on one GPU of the same kind, TF32 off, deterministic kernels where torch has
 them): the same fp32 bounds. cuBLAS picks its reduction split by matrix shape, so a TP or sequence shard sums in

@@ -10,19 +10,20 @@ over micro-batches of the same number of sequences (train.micro_batch), full-len
 slicing function (model/data.micro_batches). A data-partition bug is therefore not reproduced on both sides. Its
 update is the ranks' own optimizer step (train/optim.py optimizer_step: clip, lr schedule, AdamW step).
 Parallel: N ranks through the launcher, each running the training step that `train`, `bench` and `climb` run
-(train.loop.train_step: micro-batches, clip, lr schedule, update, zero-grad); its `after_backward` hook only reads:
+(train.loop.train_step: micro-batches, clip, lr schedule, update, zero-grad); forward hooks record each layer's
+output sums (validation/activations.py) and its `after_backward` hook only reads:
 after each backward every parameter's gradient is gathered to full
 shape (DTensor.full_tensor for FSDP/TP, stage dicts for PP, expert shards for EP) under its reference name, and
 after the last step every rank's parameters (validation/compare.py: checksummed across replicas, divergent
-copies compared too). `--inject NAME` plants one known bug (validation/inject.py) in the ranks only.
+copies compared too), and every rank's own loss and clip norm. bf16 layouts are compared with a reference that
+makes the same casts (`reference`, `cast`). `--inject NAME` plants one known bug (validation/inject.py) in the
+ranks only. Steps: `default_steps` (2, or through the end of a short lr warm-up; the verdict's `horizon` says
+what of the schedule was reached).
 From step 1 on the reference is re-synchronised to the parallel run's gathered weights before each step, so a
 step's error never loosens a later step's bound. Tolerances and their measured noise: validation/compare.py.
 
-Wall time of a clean 2-rank check (tiny, dp=2, 2 steps) on the 2-core CPU machine, shared with other jobs:
-2.1 s through the test forkserver (torch preloaded; each planted bug 1.4-2.5 s the same way); 37-41 s through
-`curry-train whitebox` at load average 8 (36-70 s at 12-35), of which 15-19 s CPU in all: four processes import
-torch (CLI, torchrun, 2 ranks), and `import torch` alone took 12 s wall at that load. The 15 s target holds for
-the compute, not for four cold torch imports on a loaded 2-core machine.
+Wall time: benchmarks/whitebox_time.py and docs/CPU-DISTRIBUTED.md ("White-box checks"); through the CLI it is
+dominated by four cold torch imports (CLI, torchrun, 2 ranks), not by the compute.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ import torch
 from curry_train.config import Config, from_dict
 from curry_train.validation.activations import ActivationProbe, probed_names
 from curry_train.validation.compare import compare
+from curry_train.validation.horizon import default_steps, horizon_note
 from curry_train.validation.verdict import Verdict
 
 
@@ -297,33 +299,6 @@ def _load(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
 # --------------------------------------------------------------------------- drivers
 
 
-MAX_DEFAULT_STEPS = 8  # a default horizon, not a limit: --steps goes further (see default_steps)
-
-
-def default_steps(cfg: Config) -> int:
-    """Steps compared when none are given: 2 (the second exercises the optimizer state), or up to and including
-    the first step after the warm-up (step index train.warmup_steps: the schedule's boundary, where a schedule bug
-    starts), at most MAX_DEFAULT_STEPS. Each step is held to the step-0 bounds (re-sync, validation/compare.py),
-    so a longer horizon costs time only: about one training step per rank plus a gather and a reference step.
-    A longer warm-up is not covered by default (it would make the check as long as a training run);
-    `horizon_note` says so in the verdict and names the --steps that covers it."""
-    return max(2, min(cfg.train.warmup_steps + 1, MAX_DEFAULT_STEPS))
-
-
-def horizon_note(cfg: Config, steps: int) -> str:
-    """What of the lr schedule (train/optim.py lr_at) the compared steps 0..steps-1 reach."""
-    w, t = cfg.train.warmup_steps, cfg.train
-    if w == 0:
-        covered = "no warm-up"
-    elif steps > w:
-        covered = f"the warm-up boundary (step {w}, the first at the full lr) is compared"
-    else:
-        covered = f"the warm-up ends at step {w}, beyond the {steps} step(s) compared: pass --steps {w + 1} to cover it"
-    if t.lr_schedule == "cosine":
-        covered += f"; cosine decay to lr/10 at step {t.steps} " + ("compared" if steps > t.steps else "not reached")
-    return covered
-
-
 def check_steps(steps: int, timeout: float | None = None) -> None:
     """Refuse a white-box that would compare nothing or could never start (exit 2, nothing run)."""
     from curry_train.validation.inject import WhiteboxInputError
@@ -378,8 +353,8 @@ def single_device_reference(cfg: Config, steps: int,
 
     The reference runs on one device, so it depends on the model, train, data and hardware sections only; it is
     run on the config with `parallel` at its defaults, so that a layout cannot leak into it and the uninterrupted
-    reference of two layouts of one model is one object. A re-synchronised one depends on the parallel run's
-    weights and is computed per run (tiny: 0.06 s for 2 steps, tiny-moe 0.12 s on the 2-core CPU machine)."""
+    reference of two layouts of one model is one object; only the layout's bf16 casts (wrapping.precision_path)
+    are taken from it. A re-synchronised one depends on the parallel run's weights and is computed per run."""
     from curry_train.wrapping import precision_path
 
     p = cfg.parallel
