@@ -11,7 +11,7 @@ import torch
 
 from curry_train.config import Config
 from curry_train.validation.inject import InjectionError
-from curry_train.validation.plant import Planted, _patch, _rank
+from curry_train.validation.planting import Planted, _patch, _rank
 
 
 def lr_warmup_restart(stack, cfg: Config, target: str | None) -> Planted:
