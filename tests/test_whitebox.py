@@ -242,22 +242,40 @@ def test_bf16_is_proven_against_a_reference_with_the_same_casts(tmp_path):
             load_config(TINY, {"parallel.pp": 2, "train.dtype": "bfloat16"}),
             load_config(moe, {"parallel.dp": 2, "parallel.ep": 2, "train.dtype": "bfloat16"}),
             load_config(moe, {"parallel.tp": 2}),
-            load_config(TINY, {"parallel.tp": 2, "train.dtype": "bfloat16"})]
-    names = [None, None, None, None, "tp-partial-sum-1pct"]
-    dp, pp, ep, moe_tp, tp_bug = whitebox_batch(cfgs, steps=2, out_dir=tmp_path, inject=names)
+            load_config(TINY, {"parallel.tp": 2, "train.dtype": "bfloat16"}),
+            load_config(moe, {"parallel.dp": 2, "parallel.ep": 2, "parallel.zero": 3, "train.dtype": "bfloat16"})]
+    names = [None, None, None, None, "tp-partial-sum-1pct", "fsdp-reduce-bf16"]
+    dp, pp, ep, moe_tp, tp_bug, ep_bf16_reduce = whitebox_batch(cfgs, steps=2, out_dir=tmp_path, inject=names)
     for v in (dp, pp):
         assert v.passed and v.tolerance == FP32, v.failures  # every fp32 check, updates included
         assert max(v.bound_use.values()) < 0.05, v.bound_use
     for v in (ep, moe_tp):
         assert v.passed and max(v.bound_use.values()) < 0.5, v.bound_use
     assert not tp_bug.passed and tp_bug.bound_use["grad_norm"] > 1, tp_bug.bound_use  # 1% of one TP partial sum
+    # a bf16 reduction inside ep's relative bounds (it uses what a clean run does) fails on the units' own dtypes
+    assert not ep_bf16_reduce.passed and max(ep_bf16_reduce.bound_use.values()) < 0.5
+    assert ep_bf16_reduce.failures[0].startswith("FSDP unit "), ep_bf16_reduce.failures
+
+
+def test_fsdp_units_must_hold_the_policys_dtypes():
+    from curry_train.validation.dtypes import policy_failures
+
+    bf16 = load_config(TINY, {"parallel.dp": 2, "parallel.zero": 3, "train.dtype": "bfloat16"})
+    ok = "torch.float32 torch.bfloat16 torch.float32"
+    assert policy_failures(bf16, {"layers.0": [ok], "root": [ok]}) == []
+    assert policy_failures(bf16, {}) == []  # no FSDP units: nothing to check
+    bad = policy_failures(bf16, {"layers.0": [ok], "layers.1": ["torch.float32 torch.bfloat16 torch.bfloat16"]})
+    assert len(bad) == 1 and bad[0].startswith("FSDP unit layers.1"), bad
+    fp32 = load_config(TINY, {"parallel.dp": 2, "parallel.zero": 3})
+    assert policy_failures(fp32, {"root": ["torch.float32 torch.float32 torch.float32"]}) == []
+    assert policy_failures(fp32, {"root": [ok]})  # a bf16 unit in an fp32 run
 
 
 def test_the_skill_quotes_the_bf16_bounds_and_the_horizon_the_code_applies():
+    from pathlib import Path
+
     from curry_train.validation.compare import BF16
     from curry_train.validation.horizon import MAX_DEFAULT_STEPS
-
-    from pathlib import Path
 
     text = (Path(__file__).resolve().parents[1] / "skills" / "whitebox-validation" / "SKILL.md").read_text()
 

@@ -149,3 +149,4 @@ def act_check(ref: torch.Tensor, got: torch.Tensor | None, rtol: float) -> tuple
     if d1 / a1 >= d2 / a2:
         return d1 / a1, d1, a1, "L2 |diff| of the per-feature sum over tokens"
     return d2 / a2, d2, a2, "L2 |diff| of the per-feature sum of squares over tokens"
+

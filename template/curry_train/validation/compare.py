@@ -87,6 +87,7 @@ from typing import Any
 import torch
 
 from curry_train.config import Config
+from curry_train.validation.dtypes import policy_failures
 from curry_train.validation.verdict import ParamDiff, Verdict
 
 FP32 = {"loss_rtol": 1e-5, "grad_atol": 1e-6, "grad_rtol": 1e-5, "grad_rel_l2": 1e-4, "grad_norm_rtol": 1e-5,
@@ -360,6 +361,7 @@ def compare(cfg: Config, ref: dict[str, Any], par: dict[str, Any], steps: int) -
             for name in sorted(copies, key=layer_order):
                 c.update(f"param[step {s}, rank {rank}]", name, start[name], after[name], copies[name], cap,
                          cfg.train.lr, rank=rank, free=free.get(name), exact=zero.get(name), acc=acc.get(name))
+    c.failures += policy_failures(cfg, par.get("fsdp_dtypes") or {})
     worst, first, rank = c.localise()
     return Verdict(
         passed=not c.failures, world_size=cfg.world_size, steps=steps,

@@ -42,6 +42,7 @@ import torch
 from curry_train.config import Config, from_dict
 from curry_train.validation.activations import ActivationProbe, probed_names
 from curry_train.validation.compare import compare
+from curry_train.validation.dtypes import fsdp_unit_dtypes
 from curry_train.validation.horizon import default_steps, horizon_note
 from curry_train.validation.verdict import Verdict
 
@@ -193,6 +194,7 @@ def parallel_job(spec: dict[str, Any]) -> dict[str, Any]:
             replicas.append(copies)
             holders.append(held)
         probe.close()
+        dtypes = fsdp_unit_dtypes(par.parts, canonical_name)
         rank_scalars: list[Any] = [scalars]
         if dist.is_initialized() and dist.get_world_size() > 1:
             rank_scalars = [None] * dist.get_world_size()
@@ -201,7 +203,7 @@ def parallel_job(spec: dict[str, Any]) -> dict[str, Any]:
         path = Path(spec["out_dir"]) / f"parallel_{spec.get('tag', 'run')}.pt"
         torch.save({"losses": losses, "grads": grads, "params": params, "replicas": replicas,
                     "holders": holders, "grad_replicas": grad_replicas, "acts": acts,
-                    "rank_scalars": rank_scalars}, path)
+                    "rank_scalars": rank_scalars, "fsdp_dtypes": dtypes}, path)
     return {"losses": losses}
 
 
