@@ -68,8 +68,10 @@ per rounding): they keep relative bounds, every step re-synchronised, BF16 below
 tensor (clean <= 47%: tiny-moe cp2), the grad norm 6e-4 relative (clean <= 44%: tiny-moe tp2; a 1% error in one
 TP partial sum of one block fails at 1.4x), the loss 2e-4, activations 2e-3 (clean <= 10%); their updates are not
 compared (AdamW's first updates are ~lr*sign(g), so a gradient below bf16 resolution flips a whole lr-sized step;
-those paths are proven in fp32, where the same code runs). Replicas (parameters and reduced gradients) are checked
-in every dtype: any copy whose bits differ from the first holder's fails.
+those paths are proven in fp32, where the same code runs). Every FSDP unit's own dtypes are checked against the
+policy in any layout (validation/dtypes.py): a bf16 reduction fails there even inside the relative bounds.
+Replicas (parameters and reduced gradients) are checked in every dtype: any copy whose bits differ from the first
+holder's fails.
 
 GPU (ranks on CUDA, reference on one GPU of the same kind, TF32 off, deterministic kernels where torch has
 them): the same fp32 bounds. cuBLAS picks its reduction split by matrix shape, so a TP or sequence shard sums in
