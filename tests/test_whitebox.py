@@ -286,3 +286,13 @@ def test_the_skill_quotes_the_bf16_bounds_and_the_horizon_the_code_applies():
                    f"{sci(BF16['loss_rtol'])} on the loss", f"{sci(BF16['act_rtol'])} on activations",
                    f"at most {MAX_DEFAULT_STEPS}"):
         assert phrase in text, phrase
+
+
+def test_the_cli_verdict_says_what_of_the_schedule_was_compared():
+    from curry_train.cli import _human_verdict
+    from curry_train.validation.horizon import horizon_note
+
+    cfg = load_config(TINY, {"train.warmup_steps": 2})
+    v = compare(cfg, *_two_steps(torch.tensor([1.0, 0.5, 0.25, -0.25])), 2)
+    v.horizon = horizon_note(cfg, 2)
+    assert "lr schedule: the warm-up ends at step 2, beyond the 2 step(s) compared: pass --steps 3" in _human_verdict(v)

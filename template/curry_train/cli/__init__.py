@@ -71,7 +71,8 @@ def _human_verdict(v: Any) -> str:
              f"step(s){planted})",
              f"  loss ref {v.losses_ref} vs parallel {v.losses_parallel} (max diff {v.loss_max_diff:.2e})",
              f"  grad norm ref {v.grad_norm_ref} vs parallel {v.grad_norm_parallel}",
-             f"  {v.n_params_compared} parameters, {v.n_replica_copies} copies over all ranks"]
+             f"  {v.n_params_compared} parameters, {v.n_replica_copies} copies over all ranks",
+             f"  lr schedule: {v.horizon}"]
     if v.worst_parameter:
         w = v.worst_parameter
         lines.append(f"  worst: {w.name}: {w.metric} {w.measured:.2e} (allowed {w.allowed:.2e})")
