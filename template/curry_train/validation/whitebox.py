@@ -1,24 +1,21 @@
 """White-box comparison: the parallel run must compute the same loss, gradients and updates as one device.
 
-    curry-train whitebox --config configs/tiny.yaml --set parallel.dp=2 --json        # default_steps: 2, or to the
-                                                                                      # end of a short warm-up
+    curry-train whitebox --config configs/tiny.yaml --set parallel.dp=2 --json   # steps: validation/horizon.py
     curry-train whitebox --config configs/tiny.yaml --set parallel.dp=2 --inject data-same-rows   # must fail
 
 Reference (one process, independent of the parallel code): the full model from the same seed, plain AdamW, and
 the step's global batch taken from the data source as one device would: all its sequences in order, accumulated
 over micro-batches of the same number of sequences (train.micro_batch), full-length, never through the ranks'
 slicing function (model/data.micro_batches). A data-partition bug is therefore not reproduced on both sides. Its
-update is the ranks' own optimizer step (train/optim.py optimizer_step: clip, lr schedule, AdamW step).
+update is the ranks' own optimizer step (train/optim.py optimizer_step: clip, lr schedule, AdamW step); bf16
+layouts get a reference making the same casts (`reference`, `cast`).
 Parallel: N ranks through the launcher, each running the training step that `train`, `bench` and `climb` run
 (train.loop.train_step: micro-batches, clip, lr schedule, update, zero-grad); forward hooks record each layer's
-output sums (validation/activations.py) and its `after_backward` hook only reads:
-after each backward every parameter's gradient is gathered to full
-shape (DTensor.full_tensor for FSDP/TP, stage dicts for PP, expert shards for EP) under its reference name, and
-after the last step every rank's parameters (validation/compare.py: checksummed across replicas, divergent
-copies compared too), and every rank's own loss and clip norm. bf16 layouts are compared with a reference that
-makes the same casts (`reference`, `cast`). `--inject NAME` plants one known bug (validation/inject.py) in the
-ranks only. Steps: `default_steps` (2, or through the end of a short lr warm-up; the verdict's `horizon` says
-what of the schedule was reached).
+output sums (validation/activations.py) and its `after_backward` hook only reads: every parameter's gradient
+gathered to full shape (DTensor.full_tensor for FSDP/TP, stage dicts for PP, expert shards for EP) under its
+reference name; after each update every rank's parameters (validation/compare.py: checksummed across replicas,
+divergent copies compared too), and every rank's own loss and clip norm. `--inject NAME` plants one known bug
+(validation/inject.py) in the ranks only.
 From step 1 on the reference is re-synchronised to the parallel run's gathered weights before each step, so a
 step's error never loosens a later step's bound. Tolerances and their measured noise: validation/compare.py.
 
