@@ -91,8 +91,9 @@ async def bench(
 async def whitebox_compare(
     config: ConfigName,
     ctx: Context,
-    steps: Annotated[int, Field(ge=1, le=50, description="Optimizer steps to compare (2 also exercises the "
-                                                         "optimizer state).")] = 2,
+    steps: Annotated[int | None, Field(ge=1, le=50, description="Optimizer steps to compare (2 or more also exercise "
+                                                                "the optimizer state). Default: 2, or through the "
+                                                                "first step after the lr warm-up (at most 8).")] = None,
     overrides: Overrides = {},  # noqa: B006
     timeout_s: TimeoutS = 900.0,
     inject: Annotated[str | None, Field(description="Plant one known bug in the parallel run only, to demonstrate "

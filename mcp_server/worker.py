@@ -37,7 +37,7 @@ def _whitebox(args: dict[str, Any], cancel: threading.Event, say: Say, root: str
     from curry_train.measure import service
 
     say(f"launching the parallel run and the single-device reference for {args['config']}")
-    v = service.whitebox(args["config"], args.get("overrides") or {}, steps=args.get("steps", 2), root=root,
+    v = service.whitebox(args["config"], args.get("overrides") or {}, steps=args.get("steps"), root=root,
                          timeout=args.get("timeout", 900.0), cancel=cancel, inject=args.get("inject"))
     return v.model_dump(mode="json")
 

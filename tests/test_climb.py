@@ -58,8 +58,8 @@ def fake_runs(monkeypatch):
                                                                  "other", "total")}), wall_s=0.1,
             start_step=start, resumed_from=resume, checkpoint=ck if save_checkpoint else None)
 
-    def fake_whitebox(name, overrides=None, *, steps=2, root=None, timeout=0, cancel=None, inject=None):
-        assert steps == 2  # the climb proves two updates per rung (optimizer bugs show in the second)
+    def fake_whitebox(name, overrides=None, *, steps=None, root=None, timeout=0, cancel=None, inject=None):
+        assert steps is None  # the default horizon per rung: two updates at least (validation/horizon.py)
         cfg, _ = service.resolve(name, overrides, root)
         calls["whitebox"].append(cfg.parallel.model_dump())
         return SimpleNamespace(passed=cfg.parallel.model_dump() not in broken, run_id=f"wb-{len(calls['whitebox'])}")

@@ -69,7 +69,7 @@ async def test_contract_argument_names_and_defaults(client):
     assert props["probe_hardware"]["measure"]["default"] is False
     assert {k: props["bench"][k]["default"] for k in ("steps", "warmup", "overrides")} == \
         {"steps": 5, "warmup": 1, "overrides": {}}
-    assert props["whitebox_compare"]["steps"]["default"] == 2
+    assert props["whitebox_compare"]["steps"]["default"] is None  # validation/horizon.py default_steps
     assert props["whitebox_compare"]["inject"]["default"] is None
     assert tools["update_config"]["required"] == ["name", "changes"]
     assert set(tools["runs_diff"]["required"]) == {"run_a", "run_b"}

@@ -72,7 +72,8 @@ def _human_verdict(v: Any) -> str:
              f"step(s){planted})",
              f"  loss ref {v.losses_ref} vs parallel {v.losses_parallel} (max diff {v.loss_max_diff:.2e})",
              f"  grad norm ref {v.grad_norm_ref} vs parallel {v.grad_norm_parallel}",
-             f"  {v.n_params_compared} parameters, {v.n_replica_copies} copies over all ranks"]
+             f"  {v.n_params_compared} parameters, {v.n_replica_copies} copies over all ranks",
+             f"  lr schedule: {v.horizon}"]
     if v.worst_parameter:
         w = v.worst_parameter
         lines.append(f"  worst: {w.name}: {w.metric} {w.measured:.2e} (allowed {w.allowed:.2e})")
@@ -101,8 +102,9 @@ def _cmd_whitebox(a: argparse.Namespace) -> int:
 
     if a.list_injections:
         return _list_injections(a.json)
-    if a.steps < 1:
-        print(f"curry-train whitebox: --steps {a.steps}: a white-box compares at least 1 optimizer step (default 2)",
+    if a.steps is not None and a.steps < 1:
+        print(f"curry-train whitebox: --steps {a.steps}: a white-box compares at least 1 optimizer step (default: 2, "
+              "or through the end of the lr warm-up)",
               file=sys.stderr)
         return EXIT_INVALID
     if not a.timeout > 0:
@@ -164,8 +166,9 @@ def build_parser() -> argparse.ArgumentParser:
                        epilog="exit codes: 0 passed, 1 parity failed, 2 bad input (nothing launched), 3 the run "
                               "could not finish (timeout, crash, out of memory)")
     add_config_args(p)
-    p.add_argument("--steps", type=int, default=2,
-                   help="optimizer steps to compare (>= 1; 2 also exercises the optimizer state)")
+    p.add_argument("--steps", type=int, default=None,
+                   help="optimizer steps to compare (>= 1; default: 2, or through the first step after the lr "
+                        "warm-up, at most 8; more goes further)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds before every rank is killed (exit 3)")
     p.add_argument("--inject", metavar="NAME", default=None,
                    help="plant one known bug in the parallel run only; the verdict must fail (--list-injections)")

@@ -36,7 +36,8 @@ from curry_train.measure.bench import DeviceLock
 from curry_train.measure.preflight import cpu_rank_cap
 from curry_train.paths import configs_dir, resolve_config_arg, runs_dir
 
-WHITEBOX_STEPS = 2  # two updates: a wrong optimizer step (ZeRO state, weight decay, lr) shows in the second
+WHITEBOX_STEPS = None  # whitebox.default_steps: two updates at least (a wrong optimizer step shows in the second),
+# through the end of a short lr warm-up
 # The README's CPU budget for tiny: between the measured peaks of rung 2 (ZeRO-3 on 4 ranks + full recompute,
 # 2.25 MB) and rung 3 (+ TP 2 with SP, 1.75 MB), so the climb takes three primitives (baseline 6.04 MB).
 README_BUDGET = 2_000_000

@@ -97,18 +97,19 @@ def train(config: str, overrides: dict[str, Any] | None = None, *, root: str | P
     return ledger.finish(rec.run_id, status="ok", metrics=metrics)
 
 
-def whitebox(config: str, overrides: dict[str, Any] | None = None, *, steps: int = 2,
+def whitebox(config: str, overrides: dict[str, Any] | None = None, *, steps: int | None = None,
              root: str | Path | None = None, timeout: float = 900.0, cancel: threading.Event | None = None,
              inject: str | None = None, inject_target: str | None = None):
     """Parallel run vs single-device reference; returns the Verdict (with run_id), recorded in the ledger.
 
+    `steps` None: whitebox.default_steps (2, or through the end of a short lr warm-up).
     `inject` plants one bug of validation/inject.CATALOGUE in the ranks (the verdict must then fail). Bad input
     (steps < 1, timeout <= 0, an unknown injection or one that cannot apply to the layout) is refused
     before anything is launched or recorded (validation/inject.WhiteboxInputError, a ValueError)."""
     from curry_train.train.launch import LaunchError
     from curry_train.validation.whitebox import check_steps, run_whitebox
 
-    check_steps(steps, timeout)
+    check_steps(1 if steps is None else steps, timeout)  # None: whitebox.default_steps of the config
     cfg, name = resolve(config, overrides, root)
     if inject:
         from curry_train.validation.inject import check

@@ -85,6 +85,7 @@ class StepResult:
     loss: float
     step_time_s: float
     tokens_per_s: float
+    grad_norm: float | None = None  # the pre-clip global norm this rank clipped by (None: clipping off)
 
 
 def forward_backward(par: Parallelized, step: int) -> torch.Tensor:
@@ -130,13 +131,13 @@ def train_step(par: Parallelized, step: int, *,
     loss = forward_backward(par, step)
     if after_backward is not None:
         after_backward(loss)
-    optimizer_step(par.optimizer, par.parts, par.cfg, step, par.mesh)
+    norm = optimizer_step(par.optimizer, par.parts, par.cfg, step, par.mesh)
     par.zero_grad()
     if par.device.type == "cuda":
         torch.cuda.synchronize(par.device)
     dt = time.perf_counter() - t0
     tokens = par.cfg.train.global_batch * par.cfg.train.seq_len
-    return StepResult(loss=float(loss), step_time_s=dt, tokens_per_s=tokens / dt)
+    return StepResult(loss=float(loss), step_time_s=dt, tokens_per_s=tokens / dt, grad_norm=norm)
 
 
 def run_training(cfg: Config, *, log=None, checkpoint_dir: str | None = None, save_every: int = 0,

@@ -50,12 +50,28 @@ and 4 ranks, dense and MoE; `Verdict.bound_use` reports the largest share of eac
 CP and gradient accumulation change only the order of fp32 sums (per-chunk then merged, per micro-batch then
 summed), which is the noise above; nothing in those paths runs in lower precision.
 
-bfloat16 runs are compared with the fp32 reference: the loss at every step within 2%, the grad norm within 5%,
-and each parameter's step-0 gradient within 5% relative L2 error (bf16 keeps 8 mantissa bits, ~0.4% per
-rounding, compounded over a few layers). Later-step gradients and the updated weights are not compared in bf16:
-AdamW's first updates are ~lr*sign(g), so any gradient below bf16 resolution flips a whole lr-sized step; those
-paths are proven in fp32, where the same code runs. Replicas (parameters and reduced gradients) are still checked
-in bf16: any copy whose bits differ from the first holder's fails.
+  activations every probed module's forward output (embedding, each block, final norm) as per-feature sums over
+              the step's tokens, all ranks together (validation/activations.py states the bounds, act_rtol 1e-4):
+              the first failing one in forward order is the verdict's first_diverging_layer, because a backward
+              bug shows in every gradient below it but a forward bug only from its own layer on.
+  per rank    every rank's own loss and the norm it clipped by (train.loop.StepResult.grad_norm) against the
+              reference's, with the loss and grad-norm bounds: they are replicated values, so a rank whose value
+              differs is named (diverging_rank) when no tensor copy diverged.
+
+bfloat16 runs are compared with a reference that makes the same casts (whitebox.reference `cast`: autocast, or
+FSDP2's bf16 units reducing in fp32). Layouts that split the batch only at micro-batch boundaries (dp, ZeRO/FSDP,
+HSDP, pp, recompute: `bf16_cast_exact`) then run the reference's bf16 operations on the same shapes, so they are
+held to every fp32 bound above, updates included (measured: <= 0.7% of any bound on dp2, zero3, pp2, dp2 +
+recompute, tiny-moe dp2); a gradient reduced in bf16 instead of fp32 fails at 100-180x. tp, cp and ep split a
+matmul's inner or token dimension, so bf16 rounds other partial sums than the reference (8 mantissa bits, ~0.4%
+per rounding): they keep relative bounds, every step re-synchronised, BF16 below: gradients 5% relative L2 per
+tensor (clean <= 47%: tiny-moe cp2), the grad norm 6e-4 relative (clean <= 44%: tiny-moe tp2; a 1% error in one
+TP partial sum of one block fails at 1.4x), the loss 2e-4, activations 2e-3 (clean <= 10%); their updates are not
+compared (AdamW's first updates are ~lr*sign(g), so a gradient below bf16 resolution flips a whole lr-sized step;
+those paths are proven in fp32, where the same code runs). Every FSDP unit's own dtypes are checked against the
+policy in any layout (validation/dtypes.py): a bf16 reduction fails there even inside the relative bounds.
+Replicas (parameters and reduced gradients) are checked in every dtype: any copy whose bits differ from the first
+holder's fails.
 
 GPU (ranks on CUDA, reference on one GPU of the same kind, TF32 off, deterministic kernels where torch has
 them): the same fp32 bounds. cuBLAS picks its reduction split by matrix shape, so a TP or sequence shard sums in
@@ -73,25 +89,26 @@ from typing import Any
 import torch
 
 from curry_train.config import Config
+from curry_train.validation.dtypes import policy_failures
 from curry_train.validation.verdict import ParamDiff, Verdict
 
 FP32 = {"loss_rtol": 1e-5, "grad_atol": 1e-6, "grad_rtol": 1e-5, "grad_rel_l2": 1e-4, "grad_norm_rtol": 1e-5,
-        "update_rtol": 1e-3, "update_atol": 1e-9, "adam_free_grad": 1e-6, "free_lr": 1.0}
-BF16 = {"loss_rtol": 2e-2, "grad_rel_l2": 5e-2, "grad_norm_rtol": 5e-2}
+        "update_rtol": 1e-3, "update_atol": 1e-9, "adam_free_grad": 1e-6, "free_lr": 1.0, "act_rtol": 1e-4}
+BF16 = {"loss_rtol": 2e-4, "grad_rel_l2": 5e-2, "grad_norm_rtol": 6e-4, "act_rtol": 2e-3}
 HUGE = 1e30  # the ratio recorded for NaN (never <= 1, and JSON-safe unlike inf)
 
 
 def layer_order(name: str) -> tuple[int, int]:
     if name.startswith("tok_embeddings"):
         return (0, 0)
-    m = re.match(r"layers\.(\d+)\.", name)
+    m = re.match(r"layers\.(\d+)(\.|$)", name)
     if m:
         return (1, int(m.group(1)))
     return (2, 0 if name.startswith("norm") else 1)
 
 
 def module_of(name: str) -> str:
-    m = re.match(r"(layers\.\d+)\.", name)
+    m = re.match(r"(layers\.\d+)(\.|$)", name)
     return m.group(1) if m else name.split(".")[0]
 
 
@@ -112,8 +129,10 @@ def _exact(diff: float, scale: float) -> float:
 
 class _Checker:
     """Accumulates failures, the worst (diff / allowed) ratio per stage, and the largest fraction of each bound
-    used (`use`, per check). A stage is (step, 0) for the step's gradients and (step, 1) for the parameters after
-    its update; the verdict localises in the earliest failing stage (a wrong step makes the next ones differ)."""
+    used (`use`, per check). A stage is (step, -1) for the step's forward activations, (step, 0) for its
+    gradients and (step, 1) for the parameters after its update; the verdict localises in the earliest failing
+    stage (a wrong step makes the next ones differ). `scalar_ranks`: stage -> ranks whose own loss or clip norm
+    failed (used to name a rank only when no tensor copy did)."""
 
     def __init__(self, bf16: bool, tol: dict[str, float]):
         self.bf16, self.tol = bf16, tol
@@ -122,6 +141,7 @@ class _Checker:
         self.failing: dict[tuple[int, int], list[str]] = {}  # stage -> reference names of failing tensors
         self.worst: dict[tuple[int, int], tuple[float, ParamDiff]] = {}
         self.ranks: dict[tuple[int, int], list[int]] = {}  # stage -> ranks whose copy fails
+        self.scalar_ranks: dict[tuple[int, int], list[int]] = {}
         self.use: dict[str, float] = {}
 
     def used(self, check: str, ratio: float) -> float:
@@ -223,11 +243,33 @@ class _Checker:
                                       f"L2 {float(d_ref.norm()):.3e})", None)
         return acc
 
+    def act(self, step: int, name: str, a: torch.Tensor, b: torch.Tensor | None) -> None:
+        """One probed module's forward sums (validation/activations.py) against the reference's."""
+        from curry_train.validation.activations import act_check
+
+        ratio, measured, allowed, metric = act_check(a, b, self.tol["act_rtol"])
+        ratio = self.used("activation", ratio)
+        diff = ParamDiff(name=f"act[step {step}] {name}", max_abs_diff=measured, allowed=allowed,
+                         ref_max_abs=float(a[1].sum()), metric=metric, measured=measured)
+        self._record(ratio, diff, name, f"act[step {step}] {name} (forward output): {metric} {measured:.3e} > "
+                                        f"allowed {allowed:.3e}", None)
+
+    def rank_scalar(self, check: str, step: int, rank: int, got: float | None, ref: float, allowed: float) -> None:
+        """One rank's own loss or clip norm (replicated values: every rank must hold the reference's)."""
+        if got is None:
+            return
+        if not self.used(check, abs(got - ref) / allowed) <= 1.0:
+            self.failures.append(f"{check.replace('_', ' ')} step {step}, rank {rank}: {got:.6g} vs reference "
+                                 f"{ref:.6g} (allowed |diff| {allowed:.3e})")
+            self.scalar_ranks.setdefault((step, 0), []).append(rank)
+
     def localise(self) -> tuple[ParamDiff | None, str | None, int | None]:
         """(worst tensor, first diverging module) of the earliest failing stage, and the lowest rank whose copy
-        failed at the earliest stage where one did. A failing verdict never names a passing tensor: when only a
-        scalar (loss, grad norm) failed, worst and module are None. A passing one names its largest ratio."""
-        rank = min(self.ranks[min(self.ranks)]) if self.ranks else None
+        failed at the earliest stage where one did (else whose own loss or clip norm did). A failing verdict never
+        names a passing tensor: when only a scalar (loss, grad norm) failed, worst and module are None. A passing
+        one names its largest ratio."""
+        ranks = self.ranks or ({} if self.failing else self.scalar_ranks)  # scalars name a rank only alone
+        rank = min(ranks[min(ranks)]) if ranks else None
         if self.failing:
             stage = min(self.failing)
             first = min(self.failing[stage], key=layer_order)
@@ -239,6 +281,14 @@ class _Checker:
         return (best[1] if best else None), None, None
 
 
+def bf16_cast_exact(cfg: Config) -> bool:
+    """A bf16 layout whose every bf16 operation has the shape the reference's has (docstring, "bfloat16"): the
+    batch is split only at micro-batch boundaries (dp, ZeRO/FSDP, HSDP, pp, recompute), never a matmul's inner
+    or token dimension (tp, cp, ep)."""
+    p = cfg.parallel
+    return p.tp == 1 and p.cp == 1 and p.ep == 1
+
+
 def _norm(grads: dict[str, torch.Tensor]) -> float:
     return float(torch.sqrt(sum((g.double() ** 2).sum() for g in grads.values()))) if grads else 0.0
 
@@ -246,7 +296,7 @@ def _norm(grads: dict[str, torch.Tensor]) -> float:
 def compare(cfg: Config, ref: dict[str, Any], par: dict[str, Any], steps: int) -> Verdict:
     """Verdict of parallel results `par` (whitebox.parallel_job's file) against whitebox.reference's `ref`,
     re-synchronised to `par`'s weights (docstring, "re-sync")."""
-    bf16 = cfg.train.dtype == "bfloat16"
+    bf16 = cfg.train.dtype == "bfloat16" and not bf16_cast_exact(cfg)  # else held to the fp32 bounds
     tol = dict(BF16 if bf16 else FP32)
     c = _Checker(bf16, tol)
     losses_ref, losses_par = list(ref.get("losses") or []), list(par.get("losses") or [])
@@ -267,7 +317,13 @@ def compare(cfg: Config, ref: dict[str, Any], par: dict[str, Any], steps: int) -
     starts = ref.get("starts") or [before, *(ref.get("params") or [])]
     cap = tol.get("free_lr", 1.0) * cfg.train.lr
     n = min(steps, len(ref.get("grads") or []), len(par.get("grads") or []))
+    acts_ref, acts_par = list(ref.get("acts") or []), list(par.get("acts") or [])
+    rank_scalars = list(par.get("rank_scalars") or [])
     for s in range(n):
+        c.stage = (s, -1)
+        if s < len(acts_ref):
+            for name in sorted(acts_ref[s], key=layer_order):  # forward order: the first failing is the origin
+                c.act(s, name, acts_ref[s][name], (acts_par[s] if s < len(acts_par) else {}).get(name))
         c.stage = (s, 0)
         rg, pg = ref["grads"][s], par["grads"][s] or {}
         gn_ref.append(_norm(rg))
@@ -275,9 +331,13 @@ def compare(cfg: Config, ref: dict[str, Any], par: dict[str, Any], steps: int) -
         bound = 1e-6 + tol["grad_norm_rtol"] * gn_ref[-1]
         if not c.used("grad_norm", abs(gn_ref[-1] - gn_par[-1]) / bound) <= 1.0:
             c.failures.append(f"grad norm step {s}: {gn_par[-1]:.6g} vs reference {gn_ref[-1]:.6g}")
-        if not (bf16 and s > 0):  # after one bf16 AdamW step the weights legitimately differ: step 0 only
-            for name in sorted(rg, key=layer_order):
-                c.grad(f"grad[step {s}]", name, rg[name], pg.get(name))
+        for rank, mine in enumerate(rank_scalars):  # every rank's own loss and the norm it clipped by
+            if s < len(mine):
+                c.rank_scalar("rank_loss", s, rank, mine[s][0], losses_ref[s],
+                              tol["loss_rtol"] * max(1.0, abs(losses_ref[s])))
+                c.rank_scalar("rank_clip_norm", s, rank, mine[s][1], gn_ref[-1], bound)
+        for name in sorted(rg, key=layer_order):  # every step: re-synchronised, both start from the same weights
+            c.grad(f"grad[step {s}]", name, rg[name], pg.get(name))
         for name in sorted(set(pg) - set(rg)):
             c.failures.append(f"grad {name}: not a reference parameter (name mapping broken)")
         for rank, copies in sorted(((par.get("grad_replicas") or [{}] * n)[s] or {}).items()):
@@ -303,6 +363,7 @@ def compare(cfg: Config, ref: dict[str, Any], par: dict[str, Any], steps: int) -
             for name in sorted(copies, key=layer_order):
                 c.update(f"param[step {s}, rank {rank}]", name, start[name], after[name], copies[name], cap,
                          cfg.train.lr, rank=rank, free=free.get(name), exact=zero.get(name), acc=acc.get(name))
+    c.failures += policy_failures(cfg, par.get("fsdp_dtypes") or {})
     worst, first, rank = c.localise()
     return Verdict(
         passed=not c.failures, world_size=cfg.world_size, steps=steps,

@@ -141,6 +141,33 @@ def _needs_ddp_clip(cfg: Config) -> str | None:
     return why
 
 
+def _needs_warmup(cfg: Config) -> str | None:
+    if cfg.train.warmup_steps < 1:
+        return "breaks the schedule at the end of the warm-up, which is off here (train.warmup_steps=0): set " \
+               "train.warmup_steps=2"
+    return None
+
+
+def _needs_bf16(cfg: Config) -> str | None:
+    if cfg.train.dtype != "bfloat16":
+        return "breaks the bf16 path, which fp32 never runs (train.dtype=float32): set train.dtype=bfloat16"
+    return None
+
+
+def _needs_ddp_bf16(cfg: Config) -> str | None:
+    return _needs_ddp(cfg) or _needs_bf16(cfg)
+
+
+def _needs_fsdp_bf16(cfg: Config) -> str | None:
+    return _needs_fsdp(cfg) or _needs_bf16(cfg)
+
+
+def _needs_tp(cfg: Config) -> str | None:
+    if cfg.parallel.tp < 2:
+        return f"needs tensor parallelism (parallel.tp > 1; here tp={cfg.parallel.tp})"
+    return None
+
+
 def _needs_replicas(cfg: Config) -> str | None:
     if cfg.world_size < 2:
         return "needs more than one rank (a different lr on rank 1 needs a rank 1)"
@@ -194,6 +221,25 @@ CATALOGUE: dict[str, Injection] = {i.name: i for i in (
     Injection("ddp-rank-sum", "replicas", "rank 1 steps on the sum of the dp gradients, not their mean (clipping "
               "hides it in the update)", "tiny dp=2 grad_clip=0.5",
               {"config": "tiny", "parallel.dp": 2, "train.grad_clip": 0.5}, "rank", _needs_ddp_clip),
+    Injection("lr-warmup-restart", "schedule", "the learning rate restarts its warm-up at the warm-up boundary "
+              "(exact before it: caught only when the steps reach it)", "tiny dp=2 warmup_steps=2",
+              {"config": "tiny", "parallel.dp": 2, "train.warmup_steps": 2}, r".", _needs_warmup),
+    Injection("mid-layer-forward", "forward", "rank 1's middle block returns its output 0.1% too large (the "
+              "verdict must point at that block, not at the embedding)", "tiny dp=2",
+              {"config": "tiny", "parallel.dp": 2}, r"layers\.2", _needs_replicas),
+    Injection("cp-loss-unreduced", "scalar", "the step's loss is averaged over dp only, not dp x cp: each cp rank "
+              "reports its own chunks' loss (gradients exact; the verdict must name the rank)", "tiny cp=2",
+              {"config": "tiny", "parallel.cp": 2}, "scalar", _needs_cp),
+    Injection("ddp-reduce-bf16", "bf16", "DDP all-reduces the gradients in bf16 instead of fp32 (bf16_compress_hook)",
+              "tiny dp=2 dtype=bfloat16", {"config": "tiny", "parallel.dp": 2, "train.dtype": "bfloat16"}, r".",
+              _needs_ddp_bf16),
+    Injection("fsdp-reduce-bf16", "bf16", "FSDP reduce-scatters the gradients in bf16 instead of fp32 (the "
+              "policy's reduce_dtype)", "tiny dp=2 zero=3 dtype=bfloat16",
+              {"config": "tiny", "parallel.dp": 2, "parallel.zero": 3, "train.dtype": "bfloat16"}, r".",
+              _needs_fsdp_bf16),
+    Injection("tp-partial-sum-1pct", "TP", "rank 1's partial sum of the middle block's attention.wo is 1% too "
+              "large before the tp all-reduce (in bf16 too: tests/test_whitebox.py)", "tiny tp=2",
+              {"config": "tiny", "parallel.tp": 2}, r"layers\.2", _needs_tp),
 )}
 
 

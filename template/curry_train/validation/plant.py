@@ -7,22 +7,14 @@ by `stack` when the rank job ends. Nothing here is imported by the single-device
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from curry_train.config import Config
 from curry_train.validation.inject import InjectionError, check
-
-
-@dataclass
-class Planted:
-    """What parallel_job applies: a hook on the full model before parallelize, and a function after it."""
-
-    model_hook: Callable[[torch.nn.Module], None] | None = None
-    after_setup: Callable[[Any], None] = lambda par: None
+from curry_train.validation.planting import Planted, _patch, _rank
 
 
 @contextlib.contextmanager
@@ -33,19 +25,9 @@ def planted(name: str | None, cfg: Config, target: str | None = None) -> Iterato
         return
     check(name, cfg)
     with contextlib.ExitStack() as stack:
-        yield PLANTERS[name](stack, cfg, target)
+        from curry_train.validation.plant_numerics import PLANTERS as NUMERICS  # imports this module's helpers
 
-
-def _patch(stack: contextlib.ExitStack, module: Any, attr: str, value: Any) -> None:
-    old = getattr(module, attr)
-    setattr(module, attr, value)
-    stack.callback(setattr, module, attr, old)
-
-
-def _rank() -> int:
-    import torch.distributed as dist
-
-    return dist.get_rank() if dist.is_initialized() else 0
+        yield {**PLANTERS, **NUMERICS}[name](stack, cfg, target)
 
 
 def _param_groups(opt: Any) -> list[dict]:

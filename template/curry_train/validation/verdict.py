@@ -41,6 +41,8 @@ class Verdict(BaseModel):
     bound_use: dict[str, float] = Field(default_factory=dict, description="Largest fraction of each bound used "
                                         "over every tensor and step (validation/compare.py names the checks): "
                                         "> 1 fails; a clean run's figures are its noise margins.")
+    horizon: str = Field("", description="What of the lr schedule the compared steps reach (the warm-up "
+                                          "boundary, the cosine floor) and the --steps that would cover the rest.")
     injection: str | None = Field(None, description="Planted bug (validation/inject.py) this run carried; the "
                                                     "verdict must then fail.")
     run_id: str | None = None

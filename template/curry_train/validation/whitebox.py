@@ -1,32 +1,32 @@
 """White-box comparison: the parallel run must compute the same loss, gradients and updates as one device.
 
-    curry-train whitebox --config configs/tiny.yaml --set parallel.dp=2 --json        # 2 steps by default
+    curry-train whitebox --config configs/tiny.yaml --set parallel.dp=2 --json   # steps: validation/horizon.py
     curry-train whitebox --config configs/tiny.yaml --set parallel.dp=2 --inject data-same-rows   # must fail
 
 Reference (one process, independent of the parallel code): the full model from the same seed, plain AdamW, and
 the step's global batch taken from the data source as one device would: all its sequences in order, accumulated
 over micro-batches of the same number of sequences (train.micro_batch), full-length, never through the ranks'
 slicing function (model/data.micro_batches). A data-partition bug is therefore not reproduced on both sides. Its
-update is the ranks' own optimizer step (train/optim.py optimizer_step: clip, lr schedule, AdamW step).
+update is the ranks' own optimizer step (train/optim.py optimizer_step: clip, lr schedule, AdamW step); bf16
+layouts get a reference making the same casts (`reference`, `cast`).
 Parallel: N ranks through the launcher, each running the training step that `train`, `bench` and `climb` run
-(train.loop.train_step: micro-batches, clip, lr schedule, update, zero-grad); its `after_backward` hook only reads:
-after each backward every parameter's gradient is gathered to full
-shape (DTensor.full_tensor for FSDP/TP, stage dicts for PP, expert shards for EP) under its reference name, and
-after the last step every rank's parameters (validation/compare.py: checksummed across replicas, divergent
-copies compared too). `--inject NAME` plants one known bug (validation/inject.py) in the ranks only.
+(train.loop.train_step: micro-batches, clip, lr schedule, update, zero-grad); forward hooks record each layer's
+output sums (validation/activations.py) and its `after_backward` hook only reads: every parameter's gradient
+gathered to full shape (DTensor.full_tensor for FSDP/TP, stage dicts for PP, expert shards for EP) under its
+reference name; after each update every rank's parameters (validation/compare.py: checksummed across replicas,
+divergent copies compared too), and every rank's own loss and clip norm. `--inject NAME` plants one known bug
+(validation/inject.py) in the ranks only.
 From step 1 on the reference is re-synchronised to the parallel run's gathered weights before each step, so a
 step's error never loosens a later step's bound. Tolerances and their measured noise: validation/compare.py.
 
-Wall time of a clean 2-rank check (tiny, dp=2, 2 steps) on the 2-core CPU machine, shared with other jobs:
-2.1 s through the test forkserver (torch preloaded; each planted bug 1.4-2.5 s the same way); 37-41 s through
-`curry-train whitebox` at load average 8 (36-70 s at 12-35), of which 15-19 s CPU in all: four processes import
-torch (CLI, torchrun, 2 ranks), and `import torch` alone took 12 s wall at that load. The 15 s target holds for
-the compute, not for four cold torch imports on a loaded 2-core machine.
+Wall time: benchmarks/whitebox_time.py and docs/CPU-DISTRIBUTED.md ("White-box checks"); through the CLI it is
+dominated by four cold torch imports (CLI, torchrun, 2 ranks), not by the compute.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import os
 import time
@@ -37,7 +37,10 @@ from typing import Any
 import torch
 
 from curry_train.config import Config, from_dict
+from curry_train.validation.activations import ActivationProbe, probed_names
 from curry_train.validation.compare import compare
+from curry_train.validation.dtypes import fsdp_unit_dtypes
+from curry_train.validation.horizon import default_steps, horizon_note
 from curry_train.validation.verdict import Verdict
 
 
@@ -156,6 +159,8 @@ def parallel_job(spec: dict[str, Any]) -> dict[str, Any]:
     import torch.distributed as dist
 
     from curry_train.mesh import device_type
+    from curry_train.model.gpt import build_meta_model
+    from curry_train.parallel.parallelize import canonical_name
     from curry_train.train.loop import init_distributed, setup, train_step
     from curry_train.validation.plant import planted
 
@@ -164,31 +169,46 @@ def parallel_job(spec: dict[str, Any]) -> dict[str, Any]:
         device = init_distributed(cfg)
         par = setup(cfg, device, model_hook=bug.model_hook)
         bug.after_setup(par)
-        losses, grads, params, replicas, holders, grad_replicas = [], [], [], [], [], []
+        probe = ActivationProbe(par.parts, cfg.model.d_model, canonical_name)
+        names, tokens = probed_names(build_meta_model(cfg)), cfg.train.global_batch * cfg.train.seq_len
+        losses, grads, params, replicas, holders, grad_replicas, acts, scalars = [], [], [], [], [], [], [], []
 
         def read_grads(loss: torch.Tensor) -> None:  # reads only: the step goes on with the same gradients
+            acts.append(probe.take(names, tokens))  # this step's forward, summed over every rank's tokens
             local = _local_full(par, "grad")  # every rank's reduced gradients, checksummed across replicas too
             grads.append(_merge_on_rank0(par, local))
             grad_replicas.append(replica_copies(local)[0])
 
+        skip = probe.skipping_pipeline_inference() if par.topo.pp > 1 else contextlib.nullcontext()
         for step in range(spec.get("steps", 2)):
-            losses.append(train_step(par, step, after_backward=read_grads).loss)
+            with skip if step == 0 else contextlib.nullcontext():
+                r = train_step(par, step, after_backward=read_grads)
+            losses.append(r.loss)
+            scalars.append((r.loss, r.grad_norm))  # this rank's own loss and the norm it clipped by
             local = _local_full(par, "param")  # after every update: the first wrong step is the one named
             params.append(_merge_on_rank0(par, local))
             copies, held = replica_copies(local)
             replicas.append(copies)
             holders.append(held)
+        probe.close()
+        dtypes = fsdp_unit_dtypes(par.parts, canonical_name)
+        rank_scalars: list[Any] = [scalars]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            rank_scalars = [None] * dist.get_world_size()
+            dist.all_gather_object(rank_scalars, scalars)
     if not dist.is_initialized() or dist.get_rank() == 0:
         path = Path(spec["out_dir"]) / f"parallel_{spec.get('tag', 'run')}.pt"
         torch.save({"losses": losses, "grads": grads, "params": params, "replicas": replicas,
-                    "holders": holders, "grad_replicas": grad_replicas}, path)
+                    "holders": holders, "grad_replicas": grad_replicas, "acts": acts,
+                    "rank_scalars": rank_scalars, "fsdp_dtypes": dtypes}, path)
     return {"losses": losses}
 
 
 # --------------------------------------------------------------------------- reference (one process)
 
 
-def reference(cfg: Config, steps: int, weights: list[dict[str, torch.Tensor] | None] | None = None) -> dict[str, Any]:
+def reference(cfg: Config, steps: int, weights: list[dict[str, torch.Tensor] | None] | None = None,
+              cast: str = "fp32") -> dict[str, Any]:
     """The single-device reference: same seed, the step's global batch in order in micro-batches of
     train.micro_batch sequences (full length), fp32, plain AdamW, updated by the ranks' own optimizer step
     (train/optim.py optimizer_step: the same clip and lr schedule). On CUDA: one GPU, TF32 off, deterministic.
@@ -196,10 +216,16 @@ def reference(cfg: Config, steps: int, weights: list[dict[str, torch.Tensor] | N
     `weights` (the parallel run's gathered parameters after each step): before step s >= 1 the model is reset to
     weights[s - 1] (re-synchronised), so step s's gradients and update are taken at the parallel run's own weights
     and every step is held to the step-0 bounds (validation/compare.py, "re-sync"). The optimizer state stays the
-    reference's own, built from its gradients at those weights. `starts[s]`: the weights step s started from."""
+    reference's own, built from its gradients at those weights. `starts[s]`: the weights step s started from.
+
+    `cast` (wrapping.precision_path of the parallel layout): the bf16 casts the ranks make, made here on fp32
+    master weights too: "autocast" runs the forward under torch.autocast(bfloat16) (DDP, TP, PP, CP, single);
+    "mp" computes with bfloat16 copies of every parameter (torch.func.functional_call over p.to(bfloat16), whose
+    backward casts each gradient back to fp32: FSDP2's MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32),
+    which reduce-scatters every micro-step, parallel/parallelize.py grad_sync). The optimizer stays fp32."""
     from curry_train.mesh import device_type
     from curry_train.model.data import global_batch
-    from curry_train.model.gpt import aux_loss, build_model, lm_loss
+    from curry_train.model.gpt import build_model
     from curry_train.train.optim import optimizer_step
 
     dev = device_type(cfg)
@@ -210,9 +236,10 @@ def reference(cfg: Config, steps: int, weights: list[dict[str, torch.Tensor] | N
     positions = torch.arange(cfg.train.seq_len, device=device)
     with deterministic(dev):
         model = build_model(ref_cfg).to(device)
+        probe, names = ActivationProbe([model], cfg.model.d_model), probed_names(model)
         before = {k: p.detach().cpu().clone() for k, p in model.named_parameters()}
         opt = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
-        losses, grads, params, starts = [], [], [], []
+        losses, grads, params, starts, acts = [], [], [], [], []
         for step in range(steps):
             if weights is not None and step > 0:
                 _load(model, weights[step - 1] or {})
@@ -223,15 +250,39 @@ def reference(cfg: Config, steps: int, weights: list[dict[str, torch.Tensor] | N
             total = 0.0
             for i in range(k):
                 x, y = inputs[i * mb:(i + 1) * mb].to(device), targets[i * mb:(i + 1) * mb].to(device)
-                loss = lm_loss(model(x, positions), y)
-                extra = aux_loss(model)
-                ((loss if extra is None else loss + extra) / k).backward()
-                total += loss.item() / k
+                total += _micro_step(model, x, positions, y, cast, k) / k
             losses.append(total)
+            acts.append(probe.take(names, inputs.numel()))
             grads.append({n: p.grad.detach().float().cpu().clone() for n, p in model.named_parameters()})
             optimizer_step(opt, [model], ref_cfg, step)
             params.append({n: p.detach().cpu().clone() for n, p in model.named_parameters()})
-    return {"losses": losses, "grads": grads, "params": params, "params_before": before, "starts": starts}
+    probe.close()
+    return {"losses": losses, "grads": grads, "params": params, "params_before": before, "starts": starts,
+            "acts": acts}
+
+
+def _micro_step(model: torch.nn.Module, x: torch.Tensor, positions: torch.Tensor, y: torch.Tensor, cast: str,
+                k: int) -> float:
+    """One micro-batch (x, y: [mb, T]) of k: forward under the layout's casts (reference docstring), backward of
+    (loss + aux) / k, its gradients added to `model`'s fp32 .grad. Returns the micro-batch's mean loss."""
+    from curry_train.model.gpt import aux_loss, lm_loss
+
+    run = model
+    if cast == "mp":  # FSDP2's unsharded units: every parameter in bf16, and every floating input of a unit
+        # (cast_forward_inputs: the RoPE tables the root hands each block) too, so the whole model in bf16
+        run = copy.deepcopy(model).to(torch.bfloat16)  # the forward hooks (activation probe) come along
+    if cast == "fp32":
+        loss = lm_loss(model(x, positions), y)
+    else:  # the model's own (chunked) loss, as the ranks run it: its bf16 head per chunk is part of the casts
+        with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=cast == "autocast"):
+            loss = run(x, positions, targets=y)
+    extra = aux_loss(run)
+    ((loss if extra is None else loss + extra) / k).backward()
+    if run is not model:  # reduce_dtype fp32: each micro-step's bf16 gradient cast up, then accumulated
+        for p, q in zip(model.parameters(), run.parameters()):
+            if q.grad is not None:
+                p.grad = q.grad.float() if p.grad is None else p.grad + q.grad.float()
+    return loss.item()
 
 
 @torch.no_grad()
@@ -252,8 +303,8 @@ def check_steps(steps: int, timeout: float | None = None) -> None:
     from curry_train.validation.inject import WhiteboxInputError
 
     if not isinstance(steps, int) or steps < 1:
-        raise WhiteboxInputError(f"steps={steps}: a white-box compares at least 1 optimizer step (default 2; 2 or more "
-                          "also exercise the optimizer state)")
+        raise WhiteboxInputError(f"steps={steps}: a white-box compares at least 1 optimizer step (default 2, or "
+                                 "through the end of the lr warm-up; 2 or more also exercise the optimizer state)")
     if timeout is not None and not timeout > 0:
         raise WhiteboxInputError(f"timeout={timeout}: give a positive number of seconds (default 900)")
 
@@ -267,9 +318,11 @@ def _spec(cfg: Config, steps: int, tag: str, inject: str | None, target: str | N
             "inject": inject, "inject_target": target}
 
 
-def run_whitebox(cfg: Config, *, steps: int = 2, run_dir: Path, timeout: float = 600.0, cancel=None,
+def run_whitebox(cfg: Config, *, steps: int | None = None, run_dir: Path, timeout: float = 600.0, cancel=None,
                  launcher: str = "torchrun", inject: str | None = None, inject_target: str | None = None) -> Verdict:
-    """Launch the parallel run (torchrun by default), compute the reference here, compare."""
+    """Launch the parallel run (torchrun by default), compute the reference here, compare. `steps` None:
+    default_steps(cfg)."""
+    steps = default_steps(cfg) if steps is None else steps
     check_steps(steps, timeout)
     spec = _spec(cfg, steps, "run", inject, inject_target)
     t0 = time.perf_counter()
@@ -299,31 +352,38 @@ def single_device_reference(cfg: Config, steps: int,
 
     The reference runs on one device, so it depends on the model, train, data and hardware sections only; it is
     run on the config with `parallel` at its defaults, so that a layout cannot leak into it and the uninterrupted
-    reference of two layouts of one model is one object. A re-synchronised one depends on the parallel run's
-    weights and is computed per run (tiny: 0.06 s for 2 steps, tiny-moe 0.12 s on the 2-core CPU machine)."""
+    reference of two layouts of one model is one object; only the layout's bf16 casts (wrapping.precision_path)
+    are taken from it. A re-synchronised one depends on the parallel run's weights and is computed per run."""
+    from curry_train.wrapping import precision_path
+
+    p = cfg.parallel
+    cast = precision_path(cfg.train.dtype, p.dp, p.cp, p.zero)  # the layout's bf16 casts, none in fp32
     single = from_dict({**cfg.to_dict(), "parallel": {}}, validate=False)
     if weights is not None:
-        return reference(single, steps, weights)
-    key = json.dumps([single.to_dict(), steps], sort_keys=True, default=str)
+        return reference(single, steps, weights, cast)
+    key = json.dumps([single.to_dict(), steps, cast], sort_keys=True, default=str)
     if key not in _REFERENCES:
         while len(_REFERENCES) >= _MAX_REFERENCES:
             _REFERENCES.pop(next(iter(_REFERENCES)))
-        _REFERENCES[key] = reference(single, steps)
+        _REFERENCES[key] = reference(single, steps, cast=cast)
     return _REFERENCES[key]
 
 
 def compare_saved(cfg: Config, path: Path, steps: int) -> Verdict:
     par = torch.load(path, weights_only=False)
-    return compare(cfg, single_device_reference(cfg, steps, weights=list(par.get("params") or [])), par, steps)
+    verdict = compare(cfg, single_device_reference(cfg, steps, weights=list(par.get("params") or [])), par, steps)
+    verdict.horizon = horizon_note(cfg, steps)
+    return verdict
 
 
-def whitebox_batch(cfgs: list[Config], *, steps: int = 2, out_dir: Path, timeout: float = 300.0,
+def whitebox_batch(cfgs: list[Config], *, steps: int | None = None, out_dir: Path, timeout: float = 300.0,
                    inject: str | list[str | None] | None = None, inject_target: str | None = None) -> list[Verdict]:
     """Tests: run every config of one world size in a single forkserver launch, then compare each. `inject`: one
-    name for all configs, or one per config (None = clean)."""
+    name for all configs, or one per config (None = clean). `steps` None: the largest default_steps of them."""
     from curry_train.train.jobs import rank_jobs
     from curry_train.train.launch import launch_forkserver
 
+    steps = max(default_steps(c) for c in cfgs) if steps is None else steps
     check_steps(steps, timeout)
     worlds = {c.world_size for c in cfgs}
     if len(worlds) != 1:

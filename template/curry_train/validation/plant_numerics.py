@@ -1,0 +1,129 @@
+"""Planters of the catalogue entries that break a step's numerics rather than a collective: the lr schedule at the
+warm-up boundary, one block's forward, a reported scalar, the bf16 reduction dtype, one TP partial sum
+(validation/inject.py CATALOGUE; plant.planted applies them, imports torch).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from curry_train.config import Config
+from curry_train.validation.inject import InjectionError
+from curry_train.validation.planting import Planted, _patch, _rank
+
+
+def lr_warmup_restart(stack, cfg: Config, target: str | None) -> Planted:
+    """At the end of the warm-up the ranks' schedule restarts from its first value (a warm-up scheduler handed to
+    the main one with its own step count reset, as a SequentialLR-style chain can): lr_at(step - warmup_steps)
+    from step warmup_steps on. Steps before the boundary are exact, so it is caught only when the compared steps
+    reach the boundary (whitebox.default_steps)."""
+    from curry_train.train import optim
+
+    exact, w = optim.lr_at, cfg.train.warmup_steps
+    _patch(stack, optim, "lr_at", lambda cfg, step: exact(cfg, step - w if step >= w else step))
+    return Planted()
+
+
+def mid_layer_forward(stack, cfg: Config, target: str | None) -> Planted:
+    """Rank 1's middle transformer block returns its output 0.1% too large (a forward-only error on one rank:
+    a wrong scale or a stale buffer in that block). Every layer's gradient below it changes too, so only the
+    forward activations can say where it starts."""
+    name = target or f"layers.{cfg.model.n_layers // 2}"
+
+    def after(par: Any) -> None:
+        from curry_train.parallel.parallelize import canonical_name
+
+        if _rank() != 1:
+            return
+        for part in par.parts:
+            for n, m in part.named_modules():
+                if canonical_name(n) == name:
+                    m.register_forward_hook(lambda mod, args, out: out * 1.001)
+
+    return Planted(after_setup=after)
+
+
+def cp_loss_unreduced(stack, cfg: Config, target: str | None) -> Planted:
+    """The step's loss is averaged over the dp ranks only, not dp x cp (train.loop.forward_backward reads its
+    group from grad_reduce_group by name): each cp rank reports the loss of its own sequence chunks. Gradients
+    and updates are exact (the reported loss is not what backward ran on); only the per-rank scalar is wrong."""
+    from curry_train.train import loop
+
+    _patch(stack, loop, "grad_reduce_group", lambda par: None if par.mesh is None else par.mesh["dp"].get_group())
+    return Planted()
+
+
+def ddp_reduce_bf16(stack, cfg: Config, target: str | None) -> Planted:
+    """DDP all-reduces the fp32 gradients in bf16 (what torch's bf16_compress_hook does, which is CUDA/NCCL-only:
+    cast, divide, all-reduce, cast back), where the bf16 layouts promise an fp32 reduction: every gradient
+    rounded to 8 mantissa bits."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    def bf16_reduce(group, bucket):
+        buf = bucket.buffer()
+        low = buf.to(torch.bfloat16).div_(dist.get_world_size(group))
+        fut = dist.all_reduce(low, group=group, async_op=True).get_future()
+        return fut.then(lambda f: buf.copy_(f.value()[0]))
+
+    def after(par: Any) -> None:
+        for part in par.parts:
+            if isinstance(part, DistributedDataParallel):
+                part.register_comm_hook(part.process_group, bf16_reduce)
+
+    return Planted(after_setup=after)
+
+
+def fsdp_reduce_bf16(stack, cfg: Config, target: str | None) -> Planted:
+    """FSDP2's MixedPrecisionPolicy with reduce_dtype=bfloat16 (parallel/fsdp.py fsdp_kwargs returns the policy
+    every unit gets; apply_fsdp looks it up by name): gradients reduce-scattered in bf16, not fp32."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from curry_train.parallel import fsdp
+
+    exact = fsdp.fsdp_kwargs
+
+    def bf16_reduce(cfg: Config) -> dict[str, Any]:
+        return {**exact(cfg), "mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                                                reduce_dtype=torch.bfloat16)}
+
+    _patch(stack, fsdp, "fsdp_kwargs", bf16_reduce)
+    return Planted()
+
+
+def tp_partial_sum_1pct(stack, cfg: Config, target: str | None) -> Planted:
+    """Rank 1's partial sum of the middle block's row-parallel attention.wo is 1% too large before the tp
+    all-reduce (a partial counted 1.01 times): the block's attention output is ~0.5% off, nothing before it. The
+    hook runs before the module's output redistribution (prepend), on the Partial DTensor."""
+    name = target or f"layers.{cfg.model.n_layers // 2}.attention.wo"
+
+    def scale_partial(mod: torch.nn.Module, args: Any, out: Any) -> Any:
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(out, DTensor) and any(p.is_partial() for p in out.placements):
+            return DTensor.from_local(out.to_local() * 1.01, out.device_mesh, out.placements, run_check=False)
+        raise InjectionError(f"tp-partial-sum-1pct: {name}'s output is not a Partial DTensor here ({type(out)})")
+
+    def after(par: Any) -> None:
+        from curry_train.parallel.parallelize import canonical_name
+
+        if _rank() != 1:
+            return
+        for part in par.parts:
+            for n, m in part.named_modules():
+                if canonical_name(n) == name:
+                    m.register_forward_hook(scale_partial, prepend=True)
+
+    return Planted(after_setup=after)
+
+
+PLANTERS = {
+    "lr-warmup-restart": lr_warmup_restart,
+    "mid-layer-forward": mid_layer_forward,
+    "cp-loss-unreduced": cp_loss_unreduced,
+    "ddp-reduce-bf16": ddp_reduce_bf16,
+    "fsdp-reduce-bf16": fsdp_reduce_bf16,
+    "tp-partial-sum-1pct": tp_partial_sum_1pct,
+}
