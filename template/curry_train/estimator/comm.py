@@ -284,7 +284,7 @@ def _step_time(layout: Layout, hw: HardwareProfile) -> tuple[StepTime, list[Comm
     items = _comm(layout, hw, busy[0])
     exposed = sum(i.exposed_s for i in items)
     st = _states(layout, stage_ids(layout, 0))
-    owners = layout.dpcp if shards_optimizer_only(layout.dp, layout.cp, layout.zero) else 1
+    owners = layout.dpcp if shards_optimizer_only(layout.dp, layout.cp, layout.zero, layout.tp) else 1
     t_opt = 28.0 * st.n_stored / (hw.mem_bw_gbps * 1e9) / owners
     total = span + exposed + t_opt
     model_flops = tokens_step * flops_per_token(layout)

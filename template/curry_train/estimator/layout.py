@@ -77,11 +77,11 @@ class Layout:
 
     @cached_property  # (read in the planner's hot loops; the fields are frozen)
     def fsdp(self) -> bool:
-        return data_parallel_wrapper(self.dp, self.cp, self.zero) == "fsdp"  # the template's rule, wrapping.py
+        return data_parallel_wrapper(self.dp, self.cp, self.zero, self.tp) == "fsdp"  # the template's rule, wrapping.py
 
     @cached_property  # (read in the planner's hot loops; the fields are frozen)
     def ddp(self) -> bool:
-        return data_parallel_wrapper(self.dp, self.cp, self.zero) == "ddp"
+        return data_parallel_wrapper(self.dp, self.cp, self.zero, self.tp) == "ddp"
 
     @cached_property  # (read in the planner's hot loops; the fields are frozen)
     def precision(self) -> str:
