@@ -171,6 +171,9 @@ def _search(cfg: Config, hw: HardwareProfile, margin: float, *, with_cp: bool,
                                         for k in ((False, True) if z == 2 and pp == 1 else (False,))]:
                     if keep and zero in over:
                         continue  # units held across micro-batches need at least the plain ZeRO-2 row's memory
+                    if zero == 2 and tp > 1 and pp > 1:
+                        continue  # = ZeRO-1 there: the schedule holds the units and reduces once for both
+                        # (parallel/fsdp.py docstring; the estimator's numbers are the same), so one row, zero 1
                     sp = tp > 1 and cp == 1  # SP with TP, except under CP (both shard the sequence)
                     par = {"dp": dp, "zero": zero, "recompute": "none", "tp": tp, "sp": sp, "pp": pp,
                            "pp_schedule": sched, "pp_virtual": v, "ep": ep, "cp": cp, "dp_replicate": dpr,
