@@ -166,6 +166,7 @@ def _search(cfg: Config, hw: HardwareProfile, margin: float, *, with_cp: bool,
         for sched, v in _schedules(m.n_layers, pp):
             for ep in eps:
                 over: set[int] = set()  # ZeRO stages whose FSDP row overflows: HSDP (smaller shards) does too
+                plain: dict[tuple[int, int, str], float] = {}  # zero-2 step times by (replicas, micro-batch, rc)
                 for zero, dpr, keep in [(z, r, k) for z in zeros
                                         for r in (1, hsdp_replicas(dp, cp, tp, cfg.hardware.gpus_per_node, z, ep)) if r
                                         for k in ((False, True) if z == 2 and pp == 1 else (False,))]:
@@ -213,6 +214,10 @@ def _search(cfg: Config, hw: HardwareProfile, margin: float, *, with_cp: bool,
                             break
                         if prev < float("inf") and total > edge and st.total_s > prev * (1 - MB_GAIN):
                             break  # into the estimator's error band of the limit for under MB_GAIN: not worth it
+                        if zero == 2 and not keep:
+                            plain[dpr, b, rc] = st.total_s
+                        elif keep and plain.get((dpr, b, rc), float("inf")) <= st.total_s:
+                            continue  # its gathers were hidden anyway: the plain zero-2 row, no faster, is the row
                         start, prev = RC.index(rc), st.total_s
                         rows.append(Row(parallel={**par, "recompute": rc}, micro_batch=b, total=total,
                                         step_s=st.total_s, mfu=st.mfu, comm_fraction=st.comm_fraction,
