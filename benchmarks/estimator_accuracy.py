@@ -115,6 +115,21 @@ MATRIX: dict[str, dict[str, Any]] = {
     "vocab-tp2-sp-chunks8": {"model.vocab_size": 4096, "parallel.tp": 2, "parallel.sp": True,
                              "train.loss_chunks": 8},
     "vocab-pp2-1f1b": {"model.vocab_size": 4096, "parallel.pp": 2},
+    # Megatron's distributed optimizer: ZeRO-1 under TP on FSDP2 (units gathered and fp32 gradients unsharded
+    # for the whole step, one reduce-scatter); and ZeRO-2 with its units kept gathered across micro-batches
+    "megatron-tp2-sp-zero1": {"parallel.dp": 2, "parallel.tp": 2, "parallel.sp": True, "parallel.zero": 1},
+    "megatron-tp2-zero1-mb1-full": {"parallel.dp": 2, "parallel.tp": 2, "parallel.zero": 1, "train.micro_batch": 1,
+                                    "parallel.recompute": "full"},
+    "megatron-tp2-sp-zero1-bf16": {"parallel.dp": 2, "parallel.tp": 2, "parallel.sp": True, "parallel.zero": 1,
+                                   "train.dtype": "bfloat16"},
+    "megatron-pp2-tp2-sp-zero1": {"parallel.pp": 2, "parallel.dp": 2, "parallel.tp": 2, "parallel.sp": True,
+                                  "parallel.zero": 1, "train.micro_batch": 1},
+    "zero2-keep-dp2-mb1": {"parallel.dp": 2, "parallel.zero": 2, "parallel.fsdp_keep_gathered": True,
+                           "train.micro_batch": 1},
+    "zero2-keep-dp2-full": {"parallel.dp": 2, "parallel.zero": 2, "parallel.fsdp_keep_gathered": True,
+                            "train.micro_batch": 1, "parallel.recompute": "full"},
+    "zero2-keep-dp2-bf16": {"parallel.dp": 2, "parallel.zero": 2, "parallel.fsdp_keep_gathered": True,
+                            "train.dtype": "bfloat16"},
 }
 
 COMPONENTS = (*CATEGORIES, "total")
@@ -149,7 +164,7 @@ def available(name: str) -> bool:
     if ov.get("parallel.zero", 0) >= 2:
         need.append("curry_train.parallel.fsdp")
     if ov.get("parallel.zero", 0) == 1:
-        need.append("curry_train.parallel.zero")
+        need.append("curry_train.parallel.zero" if ov.get("parallel.tp", 1) == 1 else "curry_train.parallel.fsdp")
     if ov.get("parallel.recompute", "none") != "none":
         need.append("curry_train.parallel.recompute")
     return all(find_spec(m) is not None for m in need)

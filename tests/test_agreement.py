@@ -197,13 +197,14 @@ def test_expert_parallel_is_sized_by_step_time_among_the_sizes_that_fit():
 # ----------------------------------------------------------------------------------------------- template's own
 
 
-def test_tp_with_ddp_is_refused_as_this_templates_limit_with_megatrons_way():
+def test_tp_with_ddp_is_refused_with_megatrons_way_as_the_fix():
     from curry_train import rules
     from curry_train.config import from_dict
 
-    cfg = from_dict({"parallel": {"dp": 2, "tp": 2, "zero": 1}}, validate=False)
+    cfg = from_dict({"parallel": {"dp": 2, "tp": 2, "zero": 0}}, validate=False)
     msg = [str(p) for p in rules.check(cfg) if p.fields == ["parallel.zero", "parallel.tp"]]
-    assert msg and "in this template" in msg[0] and "Megatron-LM" in msg[0]
+    assert msg and "DTensor" in msg[0] and "Megatron's distributed optimizer" in msg[0]
+    assert rules.check(from_dict({"parallel": {"dp": 2, "tp": 2, "zero": 1}}, validate=False)) == []
 
 
 def test_pipeline_over_fsdp_says_the_kept_units_are_this_templates():

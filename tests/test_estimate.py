@@ -192,3 +192,29 @@ def test_estimate_matches_measurement_on_tiny_layouts():
             assert worst["params"] == states["params"] and worst["optimizer"] == states["optimizer"]
             assert worst["grads"] == states["grads"]
             assert est.memory.total == pytest.approx(worst["peak"], rel=0.05), overrides[i]
+
+
+def _fsdp_comm(cfg) -> dict[str, tuple[int, int]]:
+    """collective -> (calls, bytes) of FSDP's own collectives per step."""
+    return {c.collective: (c.calls, c.bytes) for c in estimate(cfg).communication if c.primitive == "fsdp"}
+
+
+def test_megatrons_distributed_optimizer_and_kept_units_are_modelled():
+    base = {"parallel.dp": 2, "parallel.tp": 2, "parallel.sp": True, "train.micro_batch": 1}  # 4 micro-batches
+    z1, z2 = load_any("tiny", {**base, "parallel.zero": 1}), load_any("tiny", {**base, "parallel.zero": 2})
+    keep = load_any("tiny", {**base, "parallel.zero": 2, "parallel.fsdp_keep_gathered": True})
+    n_units = 4 + 1  # a block each, and the root
+    # ZeRO-1 on FSDP2: one all-gather and one reduce-scatter per step (Megatron: the volume of one all-reduce);
+    # zero 2 gathers and reduces every micro-batch; kept units gather once and still reduce every micro-batch
+    assert [_fsdp_comm(c)["all_gather"][0] for c in (z1, z2, keep)] == [n_units, 4 * n_units, n_units]
+    assert [_fsdp_comm(c)["reduce_scatter"][0] for c in (z1, z2, keep)] == [n_units, 4 * n_units, 4 * n_units]
+    assert _fsdp_comm(z1)["all_gather"][1] == _fsdp_comm(z2)["all_gather"][1] // 4
+    # memory: the same sharded states, but ZeRO-1 holds every unsharded fp32 gradient across the step
+    e1, e2 = estimate(z1), estimate(z2)
+    assert e1.model_state_bytes == e2.model_state_bytes
+    assert e1.memory.grads - e2.memory.grads >= 4 * estimate(z1).params_per_rank  # full accumulators vs shards
+    # under PP the schedule holds the units and reduces once for zero 1 and 2 alike: one layout (the planner
+    # searches zero 1 only there, advice/search.py)
+    pp = {"parallel.dp": 2, "parallel.tp": 2, "parallel.pp": 2, "train.global_batch": 16}
+    assert estimate(load_any("tiny", {**pp, "parallel.zero": 1})).model_dump() == \
+        estimate(load_any("tiny", {**pp, "parallel.zero": 2})).model_dump()

@@ -135,6 +135,10 @@ def test_hsdp_and_uneven_pipeline_stages_are_searched():
     b = plan("bloom-176b", 8, 48, 80.0, 2048, 2048, micro_batch=2, gpu="A100-80", top=100_000)
     shapes = {(r.parallel["tp"], r.parallel["pp"], r.parallel["dp"]) for r in b.ranked}
     assert (4, 12, 8) in shapes and b.gpus_used == 384
+    # BLOOM's own layout, TP 4 x PP 12 x DP 8 with ZeRO-1 (Megatron's distributed optimizer), is searched and clean
+    published = [r for r in b.ranked if (r.parallel["tp"], r.parallel["pp"], r.parallel["dp"], r.parallel["zero"])
+                 == (4, 12, 8, 1)]
+    assert published and not any(r.anti_patterns for r in published), [r.anti_patterns for r in published]
     assert all(48 % r.parallel["pp"] == 0 for r in b.ranked)  # PP stays across whole nodes
 
 

@@ -48,7 +48,6 @@ def test_a_clean_layout_has_no_anti_pattern():
 
 
 @pytest.mark.parametrize("sections,rule_id,words", [
-    ({"parallel": {"dp": 2, "zero": 2, "tp": 2}}, "tp-before-fsdp", "zero=2"),
     ({"parallel": {"pp": 2}}, "pp-inside-node", "pp=2 on one node"),
     ({"parallel": {"cp": 2}}, "cp-without-need", "seq_len 64 < 32768"),
     ({"parallel": {"dp": 2, "ep": 2}}, "ep-on-dense", "dense model"),
@@ -151,6 +150,15 @@ def test_rules_that_need_numbers_read_the_context():
     assert anti_patterns(tp, context=RuleContext(step_s=10.0, fsdp_step_s=12.0)) == []
     msg = anti_patterns(tp, context=RuleContext(step_s=10.0, fsdp_step_s=10.5))[0].message
     assert "10.5 s" in msg and "10 s" in msg and "tp=2" in msg
+    # Once TP is needed (FSDP alone over 10% slower, or not fitting), pairing it with ZeRO-1/2 is clean:
+    # Megatron's TP + distributed optimizer is not the seed's "TP before FSDP".
+    for zero in (1, 2):
+        megatron = _cfg(parallel={"dp": 4, "zero": zero, "tp": 2, "sp": True})
+        assert anti_patterns(megatron) == []
+        assert anti_patterns(megatron, context=RuleContext(step_s=10.0, fsdp_step_s=12.0)) == []
+        assert anti_patterns(megatron, context=RuleContext(step_s=10.0, fsdp_step_s=None)) == []
+        assert [a.id for a in anti_patterns(megatron, context=RuleContext(step_s=10.0, fsdp_step_s=10.5))] == [
+            "tp-pp-where-fsdp-fits"]
     short_cp = _cfg(validate=False, parallel={"cp": 2})
     assert anti_patterns(short_cp, context=RuleContext(non_cp_fits=False)) == []  # nothing else fits: the need
 
@@ -184,3 +192,16 @@ def test_tp_hints_offer_only_sizes_inside_a_node():
     fixes = [p.fix for p in rules.check(cfg) if p.fields == ["model.n_heads", "parallel.tp"]]
     assert fixes == ["use tp in [1]"]
     assert rules.tp_choices(96, 8) == [2, 4, 8]
+
+
+def test_zero1_with_tp_is_megatrons_distributed_optimizer_and_keep_gathered_needs_zero2():
+    # ZeRO-1 under TP runs on FSDP2 (wrapping.py); only ZeRO-0 with TP still asks for a wrapper that holds DTensors
+    assert config.check(_cfg(validate=False, parallel={"dp": 2, "zero": 1, "tp": 2, "sp": True})) == []
+    assert config.check(_cfg(validate=False, parallel={"dp": 2, "zero": 1, "tp": 2, "pp": 2},
+                             train={"global_batch": 16}, hardware={"gpus_per_node": 4, "nodes": 2})) == []
+    (ddp_tp,) = config.check(_cfg(validate=False, parallel={"dp": 2, "zero": 0, "tp": 2}))
+    assert ddp_tp.fields == ["parallel.zero", "parallel.tp"] and "parallel.zero=1 with tp" in ddp_tp.fix
+    assert config.check(_cfg(validate=False, parallel={"dp": 2, "zero": 2, "fsdp_keep_gathered": True})) == []
+    for par in ({"dp": 2, "zero": 3}, {"dp": 1, "zero": 2}, {"dp": 2, "zero": 1, "tp": 2}):
+        (bad,) = config.check(_cfg(validate=False, parallel={**par, "fsdp_keep_gathered": True}))
+        assert bad.fields[0] == "parallel.fsdp_keep_gathered" and "zero=2" in bad.fix, bad

@@ -74,8 +74,12 @@ class ParallelConfig(_Section):
     dp_replicate: int = Field(1, ge=1, description="HSDP: replicate over this many groups of dp/dp_replicate "
                                                    "FSDP-sharded ranks (zero >= 2; divides dp); 1 = plain FSDP.")
     zero: Literal[0, 1, 2, 3] = Field(
-        0, description="0 = DDP, 1 = optimizer-state sharding, 2 = + gradient sharding, 3 = + parameter sharding."
+        0, description="0 = DDP, 1 = optimizer-state sharding (with tp > 1: Megatron's distributed optimizer on "
+        "FSDP2), 2 = + gradient sharding, 3 = + parameter sharding."
     )
+    fsdp_keep_gathered: bool = Field(
+        False, description="zero=2 only: keep each FSDP unit's gathered parameters across the micro-batches of a "
+        "step (one all-gather per step, not per micro-batch; gradients still reduce-scattered every micro-batch).")
     recompute: Literal["none", "selective", "full"] = Field("none", description="Activation recomputation.")
     tp: int = Field(1, ge=1, description="Tensor-parallel ranks (within a node).")
     sp: bool = Field(False, description="Sequence parallel over the TP group (needs tp > 1).")

@@ -8,7 +8,12 @@ The rule (docs/ARCHITECTURE.md, "One rung"): data parallelism runs over the flat
 ranks hold different tokens of the same sequences and their gradients are averaged like dp's.
 - FSDP2 `fully_shard` when that group has more than one rank and ZeRO stage >= 2 (ZeRO-2: reshard_after_forward
   False; ZeRO-3: True). Its MixedPrecisionPolicy computes in bf16 and reduces in fp32.
-- DDP otherwise when the group has more than one rank (ZeRO-0, and ZeRO-1, which adds ZeroRedundancyOptimizer).
+- FSDP2 also for ZeRO-1 with TP (Megatron's distributed optimizer, Narayanan et al. 2021 / Megatron-LM
+  docs/distrib_optimizer.md): DDP cannot hold TP's DTensor parameters, so the units stay gathered and the fp32
+  gradients accumulate unsharded for the whole step, reduce-scattered once after the last micro-batch; only the
+  optimizer step runs on the 1/d shard (parallel/fsdp.py, `holds_step`).
+- DDP otherwise when the group has more than one rank (ZeRO-0, and ZeRO-1 without TP, which adds
+  ZeroRedundancyOptimizer).
 - No wrapper on a single data-parallel rank.
 bf16 on a layout FSDP does not wrap runs under `torch.autocast`.
 """
@@ -26,20 +31,27 @@ def dp_group_size(dp: int, cp: int) -> int:
     return dp * cp
 
 
-def data_parallel_wrapper(dp: int, cp: int, zero: int) -> Wrapper:
-    """fsdp | ddp | none for a layout's dp, cp degrees and ZeRO stage."""
+def data_parallel_wrapper(dp: int, cp: int, zero: int, tp: int) -> Wrapper:
+    """fsdp | ddp | none for a layout's dp, cp, tp degrees and ZeRO stage."""
     if dp_group_size(dp, cp) <= 1:
         return "none"
-    return "fsdp" if zero >= 2 else "ddp"
+    return "fsdp" if zero >= 2 or (zero == 1 and tp > 1) else "ddp"
 
 
-def shards_optimizer_only(dp: int, cp: int, zero: int) -> bool:
-    """ZeRO-1: DDP plus ZeroRedundancyOptimizer (optimizer states sharded over dp x cp, params and grads not)."""
-    return zero == 1 and data_parallel_wrapper(dp, cp, zero) == "ddp"
+def shards_optimizer_only(dp: int, cp: int, zero: int, tp: int) -> bool:
+    """ZeRO-1 without TP: DDP plus ZeroRedundancyOptimizer (optimizer states sharded over dp x cp, params and
+    grads not)."""
+    return zero == 1 and data_parallel_wrapper(dp, cp, zero, tp) == "ddp"
 
 
-def precision_path(dtype: str, dp: int, cp: int, zero: int) -> PrecisionPath:
+def fsdp_holds_step(dp: int, cp: int, zero: int, tp: int) -> bool:
+    """ZeRO-1 on FSDP2 (with TP): parameters gathered and fp32 gradients unsharded for the whole step, one
+    reduce-scatter after the last micro-batch (what torch's pipeline schedules do to FSDP under PP)."""
+    return zero == 1 and data_parallel_wrapper(dp, cp, zero, tp) == "fsdp"
+
+
+def precision_path(dtype: str, dp: int, cp: int, zero: int, tp: int) -> PrecisionPath:
     """fp32 | mp (FSDP's MixedPrecisionPolicy) | autocast (bf16 without FSDP)."""
     if dtype == "float32":
         return "fp32"
-    return "mp" if data_parallel_wrapper(dp, cp, zero) == "fsdp" else "autocast"
+    return "mp" if data_parallel_wrapper(dp, cp, zero, tp) == "fsdp" else "autocast"

@@ -29,11 +29,16 @@ FOUR_RANKS = [
      "parallel.pp_virtual": 2, "parallel.recompute": "full"},
     {"parallel.cp": 2, "parallel.pp": 2, "parallel.pp_schedule": "interleaved_1f1b", "parallel.pp_virtual": 2},
     {"parallel.cp": 2, "parallel.tp": 2, "parallel.zero": 3},                            # ring attention x TP
+    # Megatron's distributed optimizer (ZeRO-1 under TP on FSDP2, 2 micro-batches per dp rank held gathered)
+    {"parallel.dp": 2, "parallel.zero": 1, "parallel.tp": 2, "parallel.sp": True},
+    {"parallel.dp": 2, "parallel.zero": 1, "parallel.tp": 2},
+    {"parallel.dp": 2, "parallel.zero": 2, "parallel.tp": 2, "parallel.fsdp_keep_gathered": True},
 ]
 EIGHT_RANKS = [
     {"parallel.dp": 2, "parallel.tp": 2, "parallel.pp": 2, "parallel.zero": 3},          # 3-D (acceptance)
     {"parallel.dp": 2, "parallel.tp": 2, "parallel.pp": 2, "parallel.zero": 2, "parallel.sp": True,
      "parallel.pp_schedule": "interleaved_1f1b", "parallel.pp_virtual": 2, "train.global_batch": 16},
+    {"parallel.dp": 2, "parallel.tp": 2, "parallel.pp": 2, "parallel.zero": 1, "parallel.sp": True},  # Megatron
 ]
 
 

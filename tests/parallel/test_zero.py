@@ -33,6 +33,9 @@ def test_zero_and_recompute_match_reference_on_two_ranks(tmp_path):
         {"parallel.dp": 2, "parallel.recompute": "full"},
         {"parallel.dp": 2, "parallel.zero": 1, "train.micro_batch": 1},  # 4 micro-batches: DDP no_sync
         {"parallel.dp": 2, "parallel.zero": 3, "train.micro_batch": 1},  # FSDP set_requires_gradient_sync
+        # ZeRO-2 whose units stay gathered across the 4 micro-batches (fsdp.holds_step), with full recompute
+        {"parallel.dp": 2, "parallel.zero": 2, "parallel.fsdp_keep_gathered": True, "train.micro_batch": 1,
+         "parallel.recompute": "full"},
         # MoE: the experts are a nested FSDP unit inside the selectively checkpointed block (recompute.py)
         {"config": TINY_MOE, "parallel.dp": 2, "parallel.ep": 2, "parallel.zero": 3, "parallel.recompute": "selective"},
     ]

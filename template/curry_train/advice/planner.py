@@ -148,7 +148,8 @@ def _base(model_sec: dict[str, Any], train_sec: dict[str, Any], gpus_per_node: i
 
 # ----------------------------------------------------------------------------------------------- the climb
 
-_ADDS = (("zero", ("zero",)), ("recompute", ("recompute",)), ("tp", ("tp", "sp")),
+_ADDS = (("zero", ("zero",)), ("keep-gathered", ("fsdp_keep_gathered",)), ("recompute", ("recompute",)),
+         ("tp", ("tp", "sp")),
          ("pp", ("pp", "pp_schedule", "pp_virtual")), ("ep", ("ep",)), ("cp", ("cp", "sp")),
          ("hsdp", ("dp_replicate",)))  # HSDP last: its replica count divides the final dp
 _ZERO_WHAT = {1: "optimizer state", 2: "optimizer state and gradients", 3: "parameters, gradients and optimizer "
@@ -161,6 +162,9 @@ def _what(prim: str, par: dict[str, Any], mb: int) -> str:
         return f"plain data parallel, dp={par['dp']} (DDP, no recompute, micro-batch {mb})"
     if prim.startswith("zero"):
         return f"ZeRO-{par['zero']} shards the {_ZERO_WHAT[par['zero']]} over dp*cp={par['dp'] * par['cp']} ranks"
+    if prim == "keep-gathered":
+        return ("FSDP keeps its gathered units across the micro-batches of a step (one all-gather per step, not "
+                "one per micro-batch; gradients still reduce-scattered each micro-batch)")
     if prim == "recompute":
         return f"{par['recompute']} activation recompute"
     if prim == "tp":
@@ -183,7 +187,7 @@ def _climb(base: Config, target: dict[str, Any], mb: int, hw: Any, probe: Any, m
     t, h = base.train, base.hardware
     world = h.gpus_per_node * h.nodes
     par = {**base.parallel.model_dump(), "zero": 0, "recompute": "none", "tp": 1, "sp": False, "pp": 1,
-           "pp_schedule": "1f1b", "pp_virtual": 1, "ep": 1, "cp": 1, "dp_replicate": 1}
+           "pp_schedule": "1f1b", "pp_virtual": 1, "ep": 1, "cp": 1, "dp_replicate": 1, "fsdp_keep_gathered": False}
     steps = [("baseline", par)]
     for prim, keys in _ADDS:
         if target.get(keys[0], par[keys[0]]) == par[keys[0]]:

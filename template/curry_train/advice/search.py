@@ -13,7 +13,10 @@ Search space: tp x cp x pp x dp over the cluster with
        and holds every micro-batch's activations (Narayanan et al. 2021), so it never wins;
   dp   the rest of the cluster, lowered to the largest size the global batch feeds (GPUs then idle);
   ep   (MoE) divisors of the experts that divide dp;
-  zero 0-3 (one row at dp*cp == 1: the stages are the same layout there, so duplicates collapse);
+  zero 0-3 (one row at dp*cp == 1: the stages are the same layout there, so duplicates collapse); zero 1 with
+       tp > 1 is Megatron's distributed optimizer (FSDP2 holding the step, wrapping.py);
+  keep zero 2 without PP also with parallel.fsdp_keep_gathered (units gathered across the micro-batches: one
+       all-gather per step, so accumulation no longer costs a gather per micro-batch), at 2+ micro-batches;
   hsdp at zero 2/3 whose dp*cp group spans nodes, also parallel.dp_replicate = rules.hsdp_replicas (the fewest
        replicas whose shard group fits one node: gathers on the node's link, one all-reduce across);
   recompute the lightest mode that fits (a heavier one only adds FLOPs); micro-batch the powers of two (and the
@@ -84,7 +87,8 @@ class Row:
         """Fewest and lightest primitives, heaviest first (the ladder read from the top), then the sizes."""
         p = self.parallel
         return (p["cp"] > 1, p["ep"] > 1, p["pp"] > 1, p["tp"] > 1, RC.index(p["recompute"]), p["zero"],
-                p.get("dp_replicate", 1) > 1, p["cp"], p["ep"], p["pp"], p["pp_virtual"], p["tp"])
+                p.get("fsdp_keep_gathered", False), p.get("dp_replicate", 1) > 1, p["cp"], p["ep"], p["pp"],
+                p["pp_virtual"], p["tp"])
 
 
 @dataclass
@@ -162,11 +166,19 @@ def _search(cfg: Config, hw: HardwareProfile, margin: float, *, with_cp: bool,
         for sched, v in _schedules(m.n_layers, pp):
             for ep in eps:
                 over: set[int] = set()  # ZeRO stages whose FSDP row overflows: HSDP (smaller shards) does too
-                for zero, dpr in [(z, r) for z in zeros
-                                  for r in (1, hsdp_replicas(dp, cp, tp, cfg.hardware.gpus_per_node, z, ep)) if r]:
+                plain: dict[tuple[int, int, str], float] = {}  # zero-2 step times by (replicas, micro-batch, rc)
+                for zero, dpr, keep in [(z, r, k) for z in zeros
+                                        for r in (1, hsdp_replicas(dp, cp, tp, cfg.hardware.gpus_per_node, z, ep)) if r
+                                        for k in ((False, True) if z == 2 and pp == 1 else (False,))]:
+                    if keep and zero in over:
+                        continue  # units held across micro-batches need at least the plain ZeRO-2 row's memory
+                    if zero == 2 and tp > 1 and pp > 1:
+                        continue  # = ZeRO-1 there: the schedule holds the units and reduces once for both
+                        # (parallel/fsdp.py docstring; the estimator's numbers are the same), so one row, zero 1
                     sp = tp > 1 and cp == 1  # SP with TP, except under CP (both shard the sequence)
                     par = {"dp": dp, "zero": zero, "recompute": "none", "tp": tp, "sp": sp, "pp": pp,
-                           "pp_schedule": sched, "pp_virtual": v, "ep": ep, "cp": cp, "dp_replicate": dpr}
+                           "pp_schedule": sched, "pp_virtual": v, "ep": ep, "cp": cp, "dp_replicate": dpr,
+                           "fsdp_keep_gathered": keep}
                     object.__setattr__(probe_cfg, "parallel", ParallelConfig.model_construct(**par))
                     object.__setattr__(probe_cfg, "train", t.model_copy(update={"micro_batch": mbs[0] if mbs else 1}))
                     if not mbs or check(probe_cfg):
@@ -176,15 +188,15 @@ def _search(cfg: Config, hw: HardwareProfile, margin: float, *, with_cp: bool,
                         continue
                     x = replace_layout(x0, dp=dp, zero=zero, recompute="none", tp=tp, sp=sp, pp=pp,
                                        pp_schedule=sched, pp_virtual=v, ep=ep, cp=cp, micro_batch=mbs[0],
-                                       dp_replicate=dpr, pp_layers=None)
+                                       dp_replicate=dpr, pp_layers=None, fsdp_keep_gathered=keep)
                     st = _states(x, stage_ids(x, 0))
                     if st.params + st.opt > usable or layout_need(replace_layout(x, recompute="full"), limit) > limit:
                         over.add(zero)  # model states alone, or the lightest mode at the smallest micro-batch,
                         continue  # overflow: no recompute and no larger micro-batch fits
                     start, prev = 0, float("inf")
                     for b in mbs:
-                        if v > 1 and (per_rank // b) % pp:
-                            continue
+                        if v > 1 and (per_rank // b) % pp or keep and per_rank == b:
+                            continue  # (one micro-batch: holding the units changes nothing, the plain row has it)
                         fit = None
                         # memory first (the step time, a pipeline simulation, only for a fit); the lightest mode
                         # that fits never gets lighter as the micro-batch grows, so the search starts at the last
@@ -202,6 +214,10 @@ def _search(cfg: Config, hw: HardwareProfile, margin: float, *, with_cp: bool,
                             break
                         if prev < float("inf") and total > edge and st.total_s > prev * (1 - MB_GAIN):
                             break  # into the estimator's error band of the limit for under MB_GAIN: not worth it
+                        if zero == 2 and not keep:
+                            plain[dpr, b, rc] = st.total_s
+                        elif keep and plain.get((dpr, b, rc), float("inf")) <= st.total_s:
+                            continue  # its gathers were hidden anyway: the plain zero-2 row, no faster, is the row
                         start, prev = RC.index(rc), st.total_s
                         rows.append(Row(parallel={**par, "recompute": rc}, micro_batch=b, total=total,
                                         step_s=st.total_s, mfu=st.mfu, comm_fraction=st.comm_fraction,

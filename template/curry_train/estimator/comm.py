@@ -185,12 +185,14 @@ def _comm(layout: Layout, hw: HardwareProfile, t_compute: float) -> list[CommIte
 
 
 def _fsdp(layout: Layout, units: int, layers: int, add) -> None:
-    """FSDP2 (zero 2/3) and HSDP collectives. Without PP the template reduce-scatters every micro-step
+    """FSDP2 (zero 1 under TP, 2, 3) and HSDP collectives. Without PP the template reduce-scatters every micro-step
     (parallelize._grad_sync_fn) and FSDP re-gathers per micro-batch: zero 3 in forward and again in backward
     (reshard_after_forward), zero 2 once. Under PP, torch's schedule keeps the unit gathered after each backward
     but the last (set_reshard_after_backward) and reduce-scatters once: zero 3 re-gathers for each backward
-    (m + 1 in all), zero 2 gathers once. HSDP (dp_replicate r > 1): the shard group is dp*cp / r ranks; the
-    reduced shard is then all-reduced across the r replicas."""
+    (m + 1 in all), zero 2 gathers once. Units held across micro-batches without PP (fsdp.holds_step) gather
+    once; ZeRO-1 on FSDP2 also reduce-scatters once (Megatron's distributed optimizer: one reduce-scatter of the
+    gradients and one all-gather of the parameters per step, the volume of one all-reduce). HSDP (dp_replicate
+    r > 1): the shard group is dp*cp / r ranks; the reduced shard is then all-reduced across the r replicas."""
     m, cb = layout.n_micro_batches, (2 if layout.precision == "mp" else 4)
     r = layout.dp_replicate if layout.dp_replicate > 1 and layout.dpcp % layout.dp_replicate == 0 else 1
     shard = layout.dpcp // r
@@ -199,6 +201,9 @@ def _fsdp(layout: Layout, units: int, layers: int, add) -> None:
     if layout.pp > 1:
         gathers, ag_window = (m + 1, "all") if layout.zero == 3 else (1, "bwd_last")
         syncs, rs_window = 1, "bwd_last"
+    elif layout.fsdp_holds_units:  # fsdp.holds_step: one all-gather per step; ZeRO-1 also reduces once
+        gathers, ag_window = 1, "all"
+        syncs, rs_window = (1, "bwd_last") if layout.fsdp_defers_reduce else (m, "bwd")
     else:
         gathers, ag_window = (2 if layout.zero == 3 else 1) * m, "all"
         syncs, rs_window = m, "bwd"
@@ -307,7 +312,7 @@ def _step_time(layout: Layout, hw: HardwareProfile) -> tuple[StepTime, list[Comm
     items = _comm(layout, hw, busy[0])
     exposed = sum(i.exposed_s for i in items)
     st = _states(layout, stage_ids(layout, 0))
-    owners = layout.dpcp if shards_optimizer_only(layout.dp, layout.cp, layout.zero) else 1
+    owners = layout.dpcp if shards_optimizer_only(layout.dp, layout.cp, layout.zero, layout.tp) else 1
     t_opt = 28.0 * st.n_stored / (hw.mem_bw_gbps * 1e9) / owners
     total = span + exposed + t_opt
     model_flops = tokens_step * flops_per_token(layout)

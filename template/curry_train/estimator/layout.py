@@ -11,7 +11,7 @@ from typing import Any
 
 from curry_train.config import Config, loss_chunk_count
 from curry_train.pipeline_split import layers_per_stage
-from curry_train.wrapping import data_parallel_wrapper
+from curry_train.wrapping import data_parallel_wrapper, fsdp_holds_step
 
 GiB = 2**30
 
@@ -52,6 +52,7 @@ class Layout:
     pp_layers: tuple[int, ...] | None = None  # parallel.pp_layers (explicit stage split), else split by cost
     dp_replicate: int = 1  # HSDP replicas (parallel.dp_replicate): FSDP shards over dpcp / dp_replicate ranks
     loss_chunks: int = 0  # train.loss_chunks (0 = auto): the LM head + loss in token chunks (config.loss_chunk_count)
+    fsdp_keep_gathered: bool = False  # parallel.fsdp_keep_gathered: zero-2 units gathered across micro-batches
 
     @cached_property  # (read in the planner's hot loops; the fields are frozen)
     def shard(self) -> int:
@@ -77,11 +78,23 @@ class Layout:
 
     @cached_property  # (read in the planner's hot loops; the fields are frozen)
     def fsdp(self) -> bool:
-        return data_parallel_wrapper(self.dp, self.cp, self.zero) == "fsdp"  # the template's rule, wrapping.py
+        return data_parallel_wrapper(self.dp, self.cp, self.zero, self.tp) == "fsdp"  # the template's rule, wrapping.py
 
     @cached_property  # (read in the planner's hot loops; the fields are frozen)
     def ddp(self) -> bool:
-        return data_parallel_wrapper(self.dp, self.cp, self.zero) == "ddp"
+        return data_parallel_wrapper(self.dp, self.cp, self.zero, self.tp) == "ddp"
+
+    @cached_property  # (read in the planner's hot loops; the fields are frozen)
+    def fsdp_defers_reduce(self) -> bool:
+        """FSDP accumulates unsharded fp32 gradients across the step and reduce-scatters once: under PP (torch's
+        schedule) and for ZeRO-1 on FSDP2 under TP (wrapping.fsdp_holds_step)."""
+        return self.fsdp and (self.pp > 1 or fsdp_holds_step(self.dp, self.cp, self.zero, self.tp))
+
+    @cached_property  # (read in the planner's hot loops; the fields are frozen)
+    def fsdp_holds_units(self) -> bool:
+        """Without PP: FSDP keeps every unit gathered across the micro-batches of a step (parallel/fsdp.py
+        holds_step): ZeRO-1 on FSDP2, or zero 2 with parallel.fsdp_keep_gathered."""
+        return self.fsdp and self.pp == 1 and (self.zero == 1 or (self.zero == 2 and self.fsdp_keep_gathered))
 
     @cached_property  # (read in the planner's hot loops; the fields are frozen)
     def precision(self) -> str:
@@ -106,7 +119,7 @@ def layout_of(cfg: Config) -> Layout:
                    device=device, gpus_per_node=h.gpus_per_node, nodes=h.nodes, gpu_memory_gib=h.gpu_memory_gib,
                    has_z_loss=m.z_loss_coef > 0, has_aux_loss=m.aux_loss_coef > 0,
                    pp_layers=tuple(p.pp_layers) if p.pp_layers else None, dp_replicate=p.dp_replicate,
-                   loss_chunks=t.loss_chunks)
+                   loss_chunks=t.loss_chunks, fsdp_keep_gathered=p.fsdp_keep_gathered)
 
 
 def stage_split(layout: Layout) -> tuple[int, ...]:

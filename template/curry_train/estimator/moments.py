@@ -105,7 +105,7 @@ class RankView:
     n_stages: int
     fsdp: bool
     zero3: bool
-    fsdp_accum: bool  # FSDP under PP: unsharded fp32 accumulators between micro-batches
+    fsdp_accum: bool  # FSDP under PP or ZeRO-1 on FSDP2: unsharded fp32 accumulators between micro-batches
     compute_bytes: int  # of a gathered unit: 2 under FSDP mixed precision, else 4
     grad_bytes: int  # of a new unsharded gradient
     data: int
@@ -151,11 +151,19 @@ def rank_view(layout: Layout, pp_rank: int) -> RankView:
                     has_embed=has_embed, has_head=has_head,
                     head_chunk=stages.index(n_stages - 1) if has_head else -1, n_stages=n_stages, fsdp=fsdp,
                     zero3=fsdp and layout.zero == 3,
-                    fsdp_accum=fsdp and layout.pp > 1 and FSDP_ACCUMULATES_UNSHARDED_UNDER_PP, compute_bytes=cb,
+                    fsdp_accum=_fsdp_accumulates(layout), compute_bytes=cb,
                     grad_bytes=cb if fsdp else 4, data=_data_bytes(layout), other_base=other, detail=detail,
                     tp_embed=tp_embed, recompute_extra=rec,
                     block_local=sum(d0 * r_ for d0, r_, _, _ in _block_tensors(layout)), w2=w2,
                     head_numel=(V // tp) * D + D)
+
+
+def _fsdp_accumulates(layout: Layout) -> bool:
+    """Unsharded fp32 accumulators between micro-batches: FSDP under PP (the schedule's no-sync), and ZeRO-1 on
+    FSDP2 holding the step (layout.fsdp_defers_reduce) once there is more than one micro-batch to accumulate."""
+    if layout.pp > 1:
+        return layout.fsdp and FSDP_ACCUMULATES_UNSHARDED_UNDER_PP
+    return layout.fsdp_defers_reduce and layout.n_micro_batches > 1
 
 
 def single_state(layout: Layout) -> _PipeState:

@@ -199,6 +199,7 @@ def first_layer_backward(r: RankView) -> list[Moment]:
     logits_end = (m if (r.has_head and layout.pp > 1 and PP_KEEPS_OUTPUTS) else
                   (1 if r.has_head and layout.pp == 1 and not LOSS_IN_MODEL else 0))
     V, D, tp = layout.vocab_size, layout.d_model, layout.tp
+    held: list[Moment] = []
     if r.fsdp:
         blk_shard = st.n_stored - st.root_stored
         root_local = st.n_local - blk_local * n_blk
@@ -214,6 +215,20 @@ def first_layer_backward(r: RankView) -> list[Moment]:
         p4, o4 = st.root_unit + st.unit_max, st.rs_buffer
         if layout.pp > 1:  # the chunk's units all stay gathered until perform_reduce_grad (pipeline._kept_units)
             p4 = st.chunk_units[0]
+        if layout.fsdp_holds_units and m > 1:
+            # an earlier micro-step's last block backward (fsdp.holds_step): every unit stays gathered; ZeRO-1
+            # holds the unsharded accumulators of all and reduces nothing, zero 2 reduce-scatters as usual
+            # filed as breakdown.py files them: the unsharded accumulators (ZeRO-1) and the unsharded gradients in
+            # flight (zero 2) are grad_buffers, zero 2's reduced shards grads
+            if r.fsdp_accum:
+                g_h = 0
+                b_h = 4 * st.n_local + r.tp_embed + (cb * (root_local + r.w2) if layout.precision == "mp" else 0)
+            else:
+                g_h = 4 * st.n_stored
+                b_h = cb * (root_local - ((V // tp) * D if r.has_embed else 0) + r.w2)
+            held.append(Moment("block backward (first, units held)", st.all_units + a.pcopy_layer, g_h, 0,
+                               r.other_base + a.d_stream + a.ffn_bwd + (0 if r.fsdp_accum else st.rs_buffer), {},
+                               b_h))
     else:
         embed_grad = 4 * V * D if (r.has_embed and tp > 1) else (4 * (V // tp) * D if r.has_embed else 0)
         g4 = _with_buckets(st.grads_full if acc else st.grads_full - 4 * blk_local - embed_grad + 4 * r.w2,
@@ -224,14 +239,16 @@ def first_layer_backward(r: RankView) -> list[Moment]:
     if layout.pp > 1 and min(r.stages) != r.n_stages - 1:
         acts4 += a.stream
     return [Moment("block backward (first)", p4 + a.pcopy_layer, g4, acts4,
-                   r.other_base + a.d_stream + a.ffn_bwd + o4, {}, b4)]
+                   r.other_base + a.d_stream + a.ffn_bwd + o4, {}, b4)] + [h._replace(activations=acts4) for h in held]
 
 
 def root_reduce_scatter(r: RankView) -> list[Moment]:
     """FSDP without a pipeline: the root unit's reduce-scatter at the end of every backward."""
     if not (r.fsdp and r.layout.pp == 1):
         return []
-    return [_root_reduce_scatter(r.layout, r.st, r.compute_bytes, r.layout.n_micro_batches, r.data, r.other_base)]
+    # ZeRO-1 on FSDP2 reduces only on the last micro-step: no sharded gradient from an earlier one
+    m = 1 if r.fsdp_accum else r.layout.n_micro_batches
+    return [_root_reduce_scatter(r.layout, r.st, r.compute_bytes, m, r.data, r.other_base)]
 
 
 def _root_reduce_scatter(layout: Layout, st: _States, cb: int, m: int, data: int, other0: int) -> Moment:

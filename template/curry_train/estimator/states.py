@@ -88,7 +88,7 @@ def _states_cached(layout: Layout, stages: tuple[int, ...]) -> _States:
                        all_units=cbytes * (n_blocks * unit + root_sz), rs_buffer=4 * unit,
                        step_transient=_step_transient(layout, 4 * largest, 4 * stored), n_local=n_local,
                        n_stored=stored, largest_tensor=largest, root_stored=root_shard, chunk_units=chunks)
-    if shards_optimizer_only(layout.dp, layout.cp, layout.zero):  # ZeRO-1 (wrapping.py)
+    if shards_optimizer_only(layout.dp, layout.cp, layout.zero, layout.tp):  # ZeRO-1 (wrapping.py)
         every = blk * n_blocks + root
         owned = _zero1_max_share(tuple(g if r > 1 else d0 for d0, r, g, _ in every),
                                  tuple(d0 * r for d0, r, _, _ in every), layout.dpcp)

@@ -15,6 +15,16 @@ it reduce-scatters the unit's gradients, so each rank keeps 1/d of params, grads
           the root is gathered for the whole forward anyway (embedding first, head last), so at most the root
           plus one block are gathered at a time.
 
+  zero=1  (with TP; wrapping.py) Megatron's distributed optimizer (Narayanan et al. 2021, SC21; Megatron-LM
+          docs "Distributed Optimizer"): reshard_after_forward=False, and on every micro-batch but the last
+          neither reshard after backward nor reduce (`holds_step`): parameters stay gathered and fp32 gradients
+          accumulate unsharded across the step, one reduce-scatter after the last backward, AdamW on the 1/d
+          shard, and the next step's all-gather plays Megatron's parameter all-gather. Peak memory is Megatron's
+          (2/4 B gathered params + 4 B grads per parameter, 12-16 B of master + AdamW / d).
+  parallel.fsdp_keep_gathered (zero=2): the same without the deferred reduction: units stay gathered across
+          micro-batches (one all-gather per step), gradients are still reduce-scattered every micro-batch.
+  Under PP torch's schedule does both itself for every ZeRO stage (pipelining stage.py, no-sync backward).
+
 Units: one per transformer block plus the root (embedding, final norm, LM head and whatever the blocks leave),
 as torchtitan `apply_fsdp` does: the all-gather of block i+1 overlaps the compute of block i.
 HSDP (parallel.dp_replicate = r > 1): the same units on a 2-D mesh (r replicas x dp*cp/r shards): parameters,
@@ -48,6 +58,14 @@ def fsdp_kwargs(cfg: Config) -> dict[str, Any]:
     else:
         mp = MixedPrecisionPolicy()
     return {"reshard_after_forward": cfg.parallel.zero >= 3, "mp_policy": mp}
+
+
+def holds_step(module: nn.Module, last: bool, *, defer_reduce: bool) -> None:
+    """Before a micro-batch: on all but the `last`, keep `module`'s FSDP units gathered after backward and, with
+    `defer_reduce` (zero=1), accumulate their gradients unsharded instead of reduce-scattering them."""
+    module.set_reshard_after_backward(last)
+    if defer_reduce:
+        module.set_requires_gradient_sync(last)
 
 
 def apply_fsdp(model: nn.Module, mesh: Any, cfg: Config) -> None:

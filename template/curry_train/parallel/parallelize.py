@@ -7,7 +7,8 @@ Order (fixed; each constraint is explained where it applies, torchtitan-style):
   3. CP, EP        - swap the attention core for ring attention / shard experts and insert all-to-alls; they
                      change what a block computes, so they go before recompute wraps the block.
   4. recompute     - wraps whole blocks after TP/CP/EP so the recomputed region replays their collectives too.
-  5. FSDP or DDP   - last module transform: it must see the final parameter set (ZeRO-2/3 = FSDP2, ZeRO-0/1 = DDP)
+  5. FSDP or DDP   - last module transform: it must see the final parameter set (ZeRO-2/3 = FSDP2, ZeRO-0/1 = DDP;
+                     ZeRO-1 with TP = FSDP2 holding the step, wrapping.py)
                      over the dp x cp ranks (CP ranks see different tokens, so their grads are averaged like DP's).
   6. optimizer     - built on the wrapped parameters (FSDP's sharded DTensors); ZeRO-1 shards its state.
   7. PP schedule   - built last, around the fully wrapped stage modules.
@@ -27,7 +28,7 @@ from torch import nn
 from curry_train.config import Config
 from curry_train.mesh import Topology, dp_cp_mesh
 from curry_train.parallel.materialize import canonical_name, global_shapes, is_meta, materialize
-from curry_train.wrapping import data_parallel_wrapper, precision_path, shards_optimizer_only
+from curry_train.wrapping import data_parallel_wrapper, fsdp_holds_step, precision_path, shards_optimizer_only
 
 __all__ = ["Parallelized", "canonical_name", "grad_reduce_group", "parallelize"]
 
@@ -65,7 +66,8 @@ class Parallelized:
 
     def autocast(self) -> AbstractContextManager:
         """bf16 compute for the layouts FSDP's MixedPrecisionPolicy does not cover (DDP, single process)."""
-        if precision_path(self.cfg.train.dtype, self.topo.dp, self.topo.cp, self.cfg.parallel.zero) == "autocast":
+        if precision_path(self.cfg.train.dtype, self.topo.dp, self.topo.cp, self.cfg.parallel.zero,
+                          self.topo.tp) == "autocast":
             return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return nullcontext()
 
@@ -112,7 +114,7 @@ def parallelize(model: nn.Module, mesh: Any, cfg: Config, *, topo: Topology, dev
 
             apply_recompute(part, mesh, cfg)
         # 5. data parallel over dp x cp; the local shards are materialised after FSDP or before DDP.
-        wrapper = data_parallel_wrapper(topo.dp, topo.cp, p.zero)  # wrapping.py: the one home of this rule
+        wrapper = data_parallel_wrapper(topo.dp, topo.cp, p.zero, topo.tp)  # wrapping.py: the one home of this rule
         if wrapper == "fsdp":
             from curry_train.parallel.fsdp import apply_fsdp
 
@@ -128,7 +130,7 @@ def parallelize(model: nn.Module, mesh: Any, cfg: Config, *, topo: Topology, dev
 
     # 6. optimizer on the final parameters.
     params = [q for part in par.parts for q in part.parameters()]
-    if shards_optimizer_only(topo.dp, topo.cp, p.zero):
+    if shards_optimizer_only(topo.dp, topo.cp, p.zero, topo.tp):
         from curry_train.parallel.zero import build_zero1_optimizer
 
         par.optimizer = build_zero1_optimizer(params, mesh, cfg)
@@ -151,13 +153,23 @@ def _grad_sync_fn(par: Parallelized) -> Callable[[bool], None]:
     ZeRO-2/3 (FSDP2): reduce-scatter on *every* micro-step. Skipping it (set_requires_gradient_sync(False)) makes
     FSDP2 keep each unit's unsharded fp32 gradient across micro-steps, i.e. the full 4 bytes/param per rank that
     ZeRO-2 exists to remove (Rajbhandari et al. 2019, §5.2: P_g reduce-scatters gradients as they are produced).
-    The extra (m-1) reduce-scatters are the price of keeping gradients sharded. Pipeline schedules manage their
-    stages' sync themselves. A no-op for a single process.
+    The extra (m-1) reduce-scatters are the price of keeping gradients sharded. Two exceptions keep the units
+    gathered across micro-batches (parallel/fsdp.py holds_step): parallel.fsdp_keep_gathered (zero=2, still
+    reduce-scattering each micro-step) and ZeRO-1 on FSDP2 under TP (Megatron's distributed optimizer: the
+    gradients accumulate unsharded too, reduced once). Pipeline schedules manage their stages' sync themselves.
+    A no-op for a single process.
     """
+    p, topo = par.cfg.parallel, par.topo
+    defer = fsdp_holds_step(topo.dp, topo.cp, p.zero, topo.tp)  # wrapping.py
+    hold = defer or p.fsdp_keep_gathered
 
     def set_sync(enabled: bool) -> None:
         for part in par.parts:
-            if hasattr(part, "set_requires_gradient_sync"):  # FSDP2 module: always reduce-scatter (see above)
+            if hasattr(part, "set_requires_gradient_sync"):  # FSDP2 module: reduce-scatter unless deferred
+                if hold:
+                    from curry_train.parallel.fsdp import holds_step
+
+                    holds_step(part, enabled, defer_reduce=defer)
                 continue
             if hasattr(part, "require_backward_grad_sync"):  # DDP
                 part.require_backward_grad_sync = enabled

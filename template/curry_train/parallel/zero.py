@@ -8,7 +8,8 @@ the parameters, steps only those, then broadcasts its updated parameters to the 
 rank's share of the state is 1/d up to the size of one parameter. Gradients are still all-reduced by DDP
 (parallel/ddp.py): the communication volume equals DDP's (ZeRO §7), the state memory drops from 8N to ~8N/d bytes.
 
-DDP cannot hold DTensor (TP) parameters, so config.check rejects zero <= 1 with tp > 1; use zero=2/3 there.
+DDP cannot hold DTensor (TP) parameters: with tp > 1, zero=1 runs on FSDP2 instead (Megatron's distributed
+optimizer, parallel/fsdp.py holds_step; wrapping.py), and config.check rejects zero=0 with tp > 1.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""Anti-patterns: layouts that are valid but that the ladder never proposes (TP before full sharding, PP inside a
-node, TP/PP where FSDP alone fits, CP without need, EP on a dense model, TP across nodes).
+"""Anti-patterns: layouts that are valid but that the ladder never proposes (PP inside a node, TP/PP where FSDP
+alone fits, CP without need, EP on a dense model, TP across nodes).
 
     python -c "from curry_train.config import Config; from curry_train.rules import anti_patterns; \
 print(anti_patterns(Config.model_validate({'parallel': {'pp': 2, 'dp': 1}})))"
@@ -62,13 +62,6 @@ class AntiPatternRule:
     eval_tag: str | None = None  # the `covers` tag of the eval conversations that check it (evals/conversations)
 
 
-def _tp_before_fsdp(cfg: Config, _c: RuleContext) -> str | None:
-    p = cfg.parallel
-    if p.tp > 1 and p.dp * p.cp > 1 and p.zero < 3:
-        return f"tp={p.tp} with zero={p.zero}: TP comes only after full sharding (ZeRO-3 solves more with less)"
-    return None
-
-
 def _pp_inside_node(cfg: Config, _c: RuleContext) -> str | None:
     p, h = cfg.parallel, cfg.hardware
     if p.pp <= 1:
@@ -83,6 +76,10 @@ def _pp_inside_node(cfg: Config, _c: RuleContext) -> str | None:
 
 
 def _tp_pp_where_fsdp_fits(cfg: Config, c: RuleContext) -> str | None:
+    """The seed's "TP before FSDP", as a rule over numbers: TP (or PP) is an anti-pattern only where data
+    parallelism + ZeRO (+ recompute) alone fits and is within WITHIN of this layout's step. Once TP is needed, any
+    ZeRO stage may pair with it: TP + PP + ZeRO-1 is Megatron's distributed-optimizer layout (Narayanan et al.
+    2021), and the ZeRO stage is then a speed/memory trade, not a ladder order."""
     p = cfg.parallel
     if (p.tp > 1 or p.pp > 1) and c.fsdp_step_s is not None and c.step_s is not None \
             and c.fsdp_step_s <= c.step_s * (1 + WITHIN):
@@ -119,9 +116,6 @@ def _tp_across_nodes(cfg: Config, _c: RuleContext) -> str | None:
 
 
 ANTI_PATTERN_RULES: tuple[AntiPatternRule, ...] = (
-    AntiPatternRule("tp-before-fsdp", "TP before FSDP", ("parallel.tp", "parallel.zero"), _tp_before_fsdp,
-                    "set parallel.zero=3 (and recompute) first; add tp only if that still does not fit",
-                    "no-tp-before-fsdp"),
     AntiPatternRule("pp-inside-node", "PP on a single node", ("parallel.pp", "hardware.nodes"), _pp_inside_node,
                     "set parallel.pp=1 (or pp <= nodes, whole nodes per stage) and use ZeRO-3 / TP inside the node",
                     "no-pp-single-node"),

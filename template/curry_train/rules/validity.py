@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from pydantic import BaseModel
 
 from curry_train.pipeline_split import check_pp_layers
-from curry_train.wrapping import data_parallel_wrapper, shards_optimizer_only
+from curry_train.wrapping import data_parallel_wrapper
 
 if TYPE_CHECKING:  # type hints only: config.py imports this package at runtime
     from curry_train.config import Config
@@ -145,19 +145,26 @@ def check(cfg: Config) -> list[Problem]:
             bad(["train.global_batch", "train.micro_batch", "parallel.pp"],
                 f"{p.pp_schedule} needs the micro-batch count ({n_micro}) to be a multiple of pp={p.pp}",
                 f"use global_batch a multiple of {p.pp * p.dp * t.micro_batch}")
-    ddp = data_parallel_wrapper(p.dp, p.cp, p.zero) == "ddp"  # which wrapper the template gives (wrapping.py)
+    ddp = data_parallel_wrapper(p.dp, p.cp, p.zero, p.tp) == "ddp"  # which wrapper the template gives (wrapping.py)
     if ddp and p.tp > 1:  # DDP's bucketed all-reduce takes plain tensors only
-        bad(["parallel.zero", "parallel.tp"], f"zero={p.zero} wraps the model in DDP, which in this template "
-            "cannot hold tensor-parallel (DTensor) parameters (Megatron-LM's TP with DDP or its distributed "
-            "optimizer, i.e. ZeRO-1, is a standard layout there; this template runs TP as torchtitan does)",
-            "use parallel.zero=2 or 3 with tp (FSDP2 shards the TP shards along dp, as torchtitan does)")
+        bad(["parallel.zero", "parallel.tp"], f"zero={p.zero} wraps the model in DDP, which cannot hold "
+            "tensor-parallel (DTensor) parameters",
+            "use parallel.zero=1 with tp (Megatron's distributed optimizer: replicated parameters, sharded "
+            "optimizer step, on FSDP2), or zero=2/3")
+    if p.fsdp_keep_gathered and (p.zero != 2 or data_parallel_wrapper(p.dp, p.cp, p.zero, p.tp) != "fsdp"):
+        bad(["parallel.fsdp_keep_gathered", "parallel.zero"], f"fsdp_keep_gathered keeps FSDP's ZeRO-2 units "
+            f"gathered across micro-batches, but zero={p.zero} with dp*cp={p.dp * p.cp} "
+            + ("has no FSDP units" if data_parallel_wrapper(p.dp, p.cp, p.zero, p.tp) != "fsdp" else
+               "(zero=3 re-gathers by design; zero=1 with tp keeps them gathered already)"),
+            "set parallel.zero=2 with dp*cp > 1, or parallel.fsdp_keep_gathered=false")
     if ddp and p.pp > 1 and p.pp_schedule == "zero_bubble":
         bad(["parallel.zero", "parallel.pp_schedule"], f"zero={p.zero} (DDP) all-reduces when the last "
             "micro-batch's backward ends, but zero_bubble runs some weight-gradient passes after it (gradients "
             "would be wrong)", "use parallel.zero=2 or 3 with zero_bubble, or pp_schedule=interleaved_1f1b")
-    if m.num_experts and p.ep > 1 and shards_optimizer_only(p.dp, p.cp, p.zero):
+    if m.num_experts and p.ep > 1 and p.zero == 1 and p.dp * p.cp > 1:
         bad(["parallel.zero", "parallel.ep"], "ZeRO-1 (ZeroRedundancyOptimizer) broadcasts every updated "
-            "parameter from its owner, which would overwrite one EP rank's experts with another's",
+            "parameter from its owner, which would overwrite one EP rank's experts with another's (and its FSDP2 "
+            "form under TP is not proven with expert shards)",
             "use parallel.zero=0 (DDP) or 2/3 (FSDP, experts sharded over the expert-data-parallel ranks)")
     nodes_gpus = h.gpus_per_node * h.nodes
     if cfg.world_size > nodes_gpus:

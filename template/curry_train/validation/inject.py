@@ -52,7 +52,7 @@ def _dp_cp(cfg: Config) -> int:
 
 
 def _wrapper(cfg: Config) -> str:
-    return data_parallel_wrapper(cfg.parallel.dp, cfg.parallel.cp, cfg.parallel.zero)
+    return data_parallel_wrapper(cfg.parallel.dp, cfg.parallel.cp, cfg.parallel.zero, cfg.parallel.tp)
 
 
 def _needs_ddp(cfg: Config) -> str | None:
@@ -66,7 +66,7 @@ def _needs_ddp(cfg: Config) -> str | None:
 
 
 def _needs_zero1(cfg: Config) -> str | None:
-    if not shards_optimizer_only(cfg.parallel.dp, cfg.parallel.cp, cfg.parallel.zero):
+    if not shards_optimizer_only(cfg.parallel.dp, cfg.parallel.cp, cfg.parallel.zero, cfg.parallel.tp):
         return f"needs ZeRO-1 (parallel.zero=1 with dp*cp > 1; here zero={cfg.parallel.zero}, dp*cp={_dp_cp(cfg)})"
     if cfg.train.weight_decay <= 0:
         return "drops weight decay, which is 0 here: set train.weight_decay=0.1 or the bug changes nothing"
