@@ -357,7 +357,7 @@ def single_device_reference(cfg: Config, steps: int,
     from curry_train.wrapping import precision_path
 
     p = cfg.parallel
-    cast = precision_path(cfg.train.dtype, p.dp, p.cp, p.zero)  # the layout's bf16 casts, none in fp32
+    cast = precision_path(cfg.train.dtype, p.dp, p.cp, p.zero, p.tp)  # the layout's bf16 casts, none in fp32
     single = from_dict({**cfg.to_dict(), "parallel": {}}, validate=False)
     if weights is not None:
         return reference(single, steps, weights, cast)
