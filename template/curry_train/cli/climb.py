@@ -8,8 +8,8 @@ The seed's procedure, automated, one primitive per rung:
   -> apply its one-primitive patch with update_config -> bench -> white-box against one device -> record.
 It stops when the measurement fits, when parity fails (never stack a primitive on a broken one), when the advisor
 says only more GPUs help, or after --max-rungs. Every bench and white-box run is in the ledger; every version of
-the climb config is in configs/.history/. The table: rung, primitive, layout, the steps it trained, predicted vs
-measured per-rank bytes, step time, parity verdict.
+the climb config is in configs/local/.history/ (configs/local/ is ignored by the repository: paths.py). The
+table: rung, primitive, layout, the steps it trained, predicted vs measured per-rank bytes, step time, parity.
 
 One training run across the rungs: every rung's bench saves its state after its timed steps (model + AdamW,
 runs/<bench run>/checkpoints/step-NNNNNN, train/checkpoint.py) and the next rung resumes from it, resharded into
@@ -34,7 +34,7 @@ from pydantic import BaseModel, Field
 from curry_train.config import ConfigError, Problem
 from curry_train.measure.bench import DeviceLock
 from curry_train.measure.preflight import cpu_rank_cap
-from curry_train.paths import configs_dir, resolve_config_arg, runs_dir
+from curry_train.paths import configs_dir, resolve_config_arg, runs_dir, written_dir
 
 WHITEBOX_STEPS = 2  # two updates: a wrong optimizer step (ZeRO state, weight decay, lr) shows in the second
 # The README's CPU budget for tiny: between the measured peaks of rung 2 (ZeRO-3 on 4 ranks + full recompute,
@@ -154,7 +154,7 @@ def climb(config: str, memory_budget: int, *, overrides: dict[str, Any] | None =
         raise ValueError("--memory-budget is bytes per rank and must be positive")
     t0 = time.perf_counter()
     path = resolve_config_arg(config, root)
-    if path.resolve().parent != configs_dir(root).resolve():
+    if path.resolve().parent not in (configs_dir(root).resolve(), written_dir(root).resolve()):
         raise ValueError(f"{config}: the climb writes its rungs next to the base, so the base must be in "
                          f"{configs_dir(root)}")
     base = path.stem
@@ -167,7 +167,7 @@ def climb(config: str, memory_budget: int, *, overrides: dict[str, Any] | None =
     probe = local_hardware()  # NVML and torch's files: no torch import, cached
     changes = {**(overrides or {}), **_machine_changes(base_cfg, memory_budget, probe)}
     update_config(name, changes, base=base, root=root)
-    say(f"wrote configs/{name}.yaml from {base}: {changes}")
+    say(f"wrote configs/local/{name}.yaml from {base}: {changes}")
     device = "cuda" if probe.gpu_count else "cpu"
 
     rungs: list[Rung] = []
