@@ -48,7 +48,7 @@ async def test_stdio_lists_tools_with_output_schemas_and_the_stage4_skill(projec
         assert STAGE4 in {r.uri for r in (await c.list_resources()).resources}
         r = await c.call_tool("update_config", {"name": "tiny-zero1", "changes": {"parallel.zero": 1,
                                                                                   "parallel.dp": 2}, "base": "tiny"})
-        assert not r.is_error and (project / "configs" / "tiny-zero1.yaml").is_file()
+        assert not r.is_error and (project / "configs" / "local" / "tiny-zero1.yaml").is_file()
 
 
 @pytest.mark.multirank
