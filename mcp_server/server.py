@@ -14,6 +14,7 @@ This module assembles the server; importing it registers every tool, resource an
     app.py          the MCPServer instance `mcp` and what the adapters share (root, argument types, errors, _long)
     run_tools.py    probe_hardware, bench, whitebox_compare, update_config, runs_diff
     brain_tools.py  estimate_memory, recommend_next, plan, capacity_sweep
+    climb_tool.py   climb, the main job (the CLI's climb in a worker)
     resources.py    skill://, config://, run:// and the diagnose_scaling prompt
     surface.py      what every tool inherits: case-insensitive choices, plain argument errors, trimmed output
                     schemas, the skills extension declared on every protocol era
@@ -32,6 +33,7 @@ from .app import SKILLS_DIR, _long, mcp, root, tool_error
 # isort: off
 from . import run_tools  # noqa: F401
 from . import brain_tools  # noqa: F401
+from . import climb_tool  # noqa: F401
 from . import resources
 from . import surface
 # isort: on

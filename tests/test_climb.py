@@ -255,3 +255,69 @@ def test_a_climb_leaves_a_git_checkout_clean(tmp_path, fake_runs, monkeypatch):
     status = subprocess.run([*git, "status", "--porcelain", "--untracked-files=all"], check=True,
                             capture_output=True, text=True).stdout
     assert status == "", status
+
+
+def test_a_cancelled_climb_passes_the_cancel_to_every_launch_and_starts_no_further_rung(project, fake_runs,
+                                                                                        monkeypatch):
+    """What the MCP tool's worker relies on: SIGTERM sets `cancel`; the launch in flight gets it (its launcher kills
+    the ranks' process group, curry_train/train/launch.py) and no rung starts after it."""
+    import threading
+
+    from curry_train.train.launch import LaunchError
+
+    cancel, seen = threading.Event(), []
+    fake = bench_mod.bench
+
+    def bench(*a, cancel=None, **k):
+        seen.append(cancel)
+        r = fake(*a, cancel=cancel, **k)
+        cancel.set()  # the client cancels while rung 0 runs
+        return r
+
+    monkeypatch.setattr(bench_mod, "bench", bench)
+    _advisor(monkeypatch, LADDER)
+    with pytest.raises(LaunchError, match="cancelled"):
+        climb("tiny", 1000, root=project, cancel=cancel)
+    assert seen == [cancel] and len(fake_runs.calls["whitebox"]) == 0
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
+@pytest.mark.anyio
+async def test_climb_over_mcp_is_the_cli_climb(project, monkeypatch):
+    """The `climb` tool runs the CLI's climb in a worker: the same rung the CLI's advisor picks for the measured
+    peak, one training run across the rungs (the losses of 3 + 3 steps are the uninterrupted single-device run's,
+    as test_each_rung_resumes_the_previous_rungs_checkpoint_for_real checks for the CLI), the same configs and
+    ledger, and a progress notification for every rung."""
+    import torch
+    from curry_train.store.runs import Ledger
+    from curry_train.train.loop import setup, train_step
+    from curry_train_mcp.server import mcp
+    from mcp import Client
+
+    monkeypatch.setenv("CURRY_TRAIN_ROOT", str(project))
+    progress: list[str] = []
+
+    async def on_progress(p: float, total: float | None, message: str | None) -> None:
+        progress.append(message or "")
+
+    async with Client(mcp) as c:
+        r = await c.call_tool("climb", {"config": "TINY".lower(), "memory_budget": 1000, "max_rungs": 1,
+                                        "steps": 2}, progress_callback=on_progress)
+    assert not r.is_error, r.content[0].text[-3000:]
+    out = r.structured_content
+    base, rung = out["rungs"]
+    before = history("tiny-climb", root=project)  # the rung-0 config, as the CLI climb saw it before rung 1
+    assert len(before) == 1  # one saved version per applied primitive, as the CLI
+    cli_next = climb_mod._recommend(str(before[0]), project, base["measured_bytes"])  # what the CLI climb applies
+    assert rung["primitive"] == cli_next.primitive and rung["patch"] == cli_next.config_patch
+    assert out["final_parallel"] == rung["parallel"] and rung["parity"] == "passed"
+    assert rung["resumed_from"] == base["checkpoint"] and rung["start_step"] == 3 and base["checkpoint_deleted"]
+    assert [f"rung {i}:" in " ".join(progress) for i in (0, 1)] == [True, True]
+    kinds = sorted(rec.kind for rec in Ledger(project).list(20))
+    assert kinds == ["bench", "bench", "whitebox"], kinds
+    torch.set_num_threads(1)
+    cfg = load_config(project / "configs" / "local" / "tiny-climb.yaml", {"parallel.recompute": "none"})
+    par = setup(cfg)
+    ref = [train_step(par, s).loss for s in range(6)]  # the same 6 steps, uninterrupted, on one device
+    assert base["losses"] + rung["losses"] == pytest.approx(ref, rel=1e-5)

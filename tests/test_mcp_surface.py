@@ -27,7 +27,8 @@ from tests.reliability.rel_support import text_of
 
 # Each tool and the CLI subcommand that calls the same function.
 CLI_OF = {"probe_hardware": "probe", "bench": "bench", "whitebox_compare": "whitebox", "update_config": "update-config",
-          "estimate_memory": "estimate", "recommend_next": "recommend", "plan": "plan", "capacity_sweep": "sweep"}
+          "estimate_memory": "estimate", "recommend_next": "recommend", "plan": "plan", "capacity_sweep": "sweep",
+          "climb": "climb"}
 # Where the two differ on purpose. The CLI runs the embedded `tiny` when --config is left out (README command 1);
 # over MCP the assistant names the config it means, so a forgotten argument is an error, not a tiny run.
 DIFFERS = {"config": "required over MCP: the assistant names its config"}

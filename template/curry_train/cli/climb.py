@@ -24,6 +24,7 @@ record); --keep-checkpoints keeps every rung's.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -35,6 +36,7 @@ from curry_train.config import ConfigError, Problem
 from curry_train.measure.bench import DeviceLock
 from curry_train.measure.preflight import cpu_rank_cap
 from curry_train.paths import configs_dir, resolve_config_arg, runs_dir, written_dir
+from curry_train.train.launch import LaunchError
 
 WHITEBOX_STEPS = 2  # two updates: a wrong optimizer step (ZeRO state, weight decay, lr) shows in the second
 # The README's CPU budget for tiny: between the measured peaks of rung 2 (ZeRO-3 on 4 ranks + full recompute,
@@ -142,8 +144,12 @@ def _delete_checkpoint(g: Rung, root: str | Path | None) -> None:
 
 def climb(config: str, memory_budget: int, *, overrides: dict[str, Any] | None = None, name: str | None = None,
           steps: int = 3, max_rungs: int = 8, root: str | Path | None = None, timeout: float = 900.0,
-          log: Callable[[str], None] | None = None, keep_checkpoints: bool = False) -> ClimbReport:
-    """Walk the ladder from `config` (a name in configs/ or a YAML file there) until `memory_budget` bytes fit."""
+          log: Callable[[str], None] | None = None, keep_checkpoints: bool = False,
+          cancel: threading.Event | None = None) -> ClimbReport:
+    """Walk the ladder from `config` (a name in configs/ or a YAML file there) until `memory_budget` bytes fit.
+
+    `cancel` (the MCP tool's worker sets it on SIGTERM) stops the launch in flight, whose launcher kills its ranks'
+    process group, and any rung not yet started: a LaunchError("cancelled ...")."""
     from curry_train.measure import service
     from curry_train.measure.bench import bench
     from curry_train.measure.hardware import local_hardware
@@ -174,7 +180,9 @@ def climb(config: str, memory_budget: int, *, overrides: dict[str, Any] | None =
     lock = DeviceLock(root)
 
     def locked(fn: Callable[[], Any]) -> Any:
-        lock.acquire(timeout=timeout, on_wait=say)
+        if cancel is not None and cancel.is_set():
+            raise LaunchError(f"cancelled: the climb stopped after {len(rungs)} rung(s)")
+        lock.acquire(timeout=timeout, on_wait=say, cancel=cancel)
         try:
             return fn()
         finally:
@@ -185,7 +193,7 @@ def climb(config: str, memory_budget: int, *, overrides: dict[str, Any] | None =
         say(f"rung {rung}: bench {name} ({primitive})" + (f", resuming {ck}" if ck else ""))
         try:
             b = locked(lambda: bench(name, steps=steps, warmup=1, root=root, timeout=timeout, progress=say,
-                                     resume=ck, save_checkpoint=True))
+                                     resume=ck, save_checkpoint=True, cancel=cancel))
         except ConfigError as e:
             if not ck:
                 raise
@@ -201,7 +209,8 @@ def climb(config: str, memory_budget: int, *, overrides: dict[str, Any] | None =
             parity = "ref"  # the single-device baseline is the reference itself
         else:
             say(f"rung {rung}: white-box {name} against one device")
-            v = locked(lambda: service.whitebox(name, steps=WHITEBOX_STEPS, root=root, timeout=timeout))
+            v = locked(lambda: service.whitebox(name, steps=WHITEBOX_STEPS, root=root, timeout=timeout,
+                                                cancel=cancel))
             parity, wb_run = ("passed" if v.passed else "FAILED"), v.run_id
         fits = not b.oom and b.peak_memory_bytes <= memory_budget
         g = Rung(rung=rung, primitive=primitive, reason=reason, patch=patch, parallel=b.parallel,
