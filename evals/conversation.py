@@ -23,9 +23,9 @@ TOOLS = {
     "whitebox_compare": {"config", "steps", "overrides", "inject"},
     "update_config": {"name", "changes", "base"},
     "runs_diff": {"run_a", "run_b"},
-    "estimate_memory": {"config", "overrides"},
-    "recommend_next": {"config", "symptom", "overrides"},
-    "plan": {"model", "gpus_per_node", "nodes", "gpu_memory_gib", "seq_len", "global_batch"},
+    "estimate_memory": {"config", "overrides", "gpu"},
+    "recommend_next": {"config", "symptom", "overrides", "gpu"},
+    "plan": {"model", "gpus_per_node", "nodes", "gpu_memory_gib", "seq_len", "global_batch", "gpu"},
     "capacity_sweep": None,  # config plus sweep options; checked against the live input schema instead
 }
 EXPENSIVE = {"bench", "whitebox_compare"}  # torchrun launches: a handful of conversations only
@@ -68,6 +68,7 @@ COVERAGE = {
     "long-context-cp": "long context where CP beats TP+SP by step time",
     "oom-micro-batch": "an OOM where halving the micro-batch is the alternative",
     "more-gpus-how-many": "more GPUs, with how many",
+    "one-gpu-beyond": "nothing fits on the user's one GPU: what fits, and LoRA/QLoRA/8-bit/offload with their memory",
 }
 CONVERSATION_KEYS = {"id", "user", "skill", "covers", "eras", "calls", "final", "notes"}
 CALL_KEYS = {"tool", "args", "as", "expect", "error", "timeout_s", "why"}

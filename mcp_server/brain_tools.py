@@ -9,11 +9,13 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from curry_train.advice.advisor import Recommendation
+from curry_train.advice.export import Framework, LayoutExport
 from curry_train.advice.planner import Plan
 from curry_train.advice.sweep import SweepResult
 from curry_train.config import ConfigError
 from curry_train.estimator import GPU_NAMES, Estimate
 from curry_train.paths import UnsafeName
+from curry_train.store.hf_import import HfImport
 from mcp.server.mcpserver import Context
 from mcp.server.mcpserver.exceptions import ToolError
 from mcp.types import CallToolResult
@@ -23,6 +25,7 @@ from .app import (
     BIG_RESULT,
     LAUNCHES,
     READ_ONLY,
+    WRITES_CONFIG,
     ConfigName,
     Overrides,
     Plot,
@@ -73,8 +76,8 @@ def _memory_png(est: Estimate, cfg: Any, name: str) -> bytes:
 def estimate_memory(
     config: ConfigName,
     overrides: Overrides = {},  # noqa: B006
-    hardware: Annotated[str | None, Field(description="Speed profile for the step-time estimate: A100-40, A100-80, "
-                                                      "H100, H200 or CPU (default: guessed from the config). It "
+    hardware: Annotated[str | None, Field(description=f"Speed profile for the step-time estimate: one of {_NAMES} "
+                                                      "(default: guessed from the config). It "
                                                       "does not change the memory budget, which is the config's "
                                                       "hardware.gpu_memory_gib (set it in overrides); the result's "
                                                       "budget_bytes and hardware_note say which were used.")] = None,
@@ -120,7 +123,8 @@ def recommend_next(
     node, PP only across nodes, EP only for MoE, CP only for long sequences; it says when only more GPUs help.
     `evidence` says what shows an OOM (estimate, measurement, a reported OOM inside the estimator's error band, or
     unconfirmed: then `if_confirmed` is the rung to take once a measurement confirms it); `improvement` marks an
-    optional speed-up of a layout that fits and runs."""
+    optional speed-up of a layout that fits and runs. When only more GPUs help, `one_gpu` says what fits on one GPU
+    and the options outside this template (LoRA, QLoRA, 8-bit AdamW, CPU/NVMe offload) with their memory."""
     from curry_train.advice.advisor import recommend_next as advise
     from curry_train.estimator.profiles import gpu_budget
     from curry_train.measure.service import resolve
@@ -219,7 +223,8 @@ async def capacity_sweep(
     """Under each rung of the ladder (one device, + recompute, DDP, ZeRO-1/2/3, + TP, + PP), the largest
     micro-batch and the largest model of the config's width x depth family that fit the per-rank budget
     (hardware.gpu_memory_gib). Use it to find where single-device training stops fitting and which rung a
-    target model size needs, before picking a primitive."""
+    target model size needs, before picking a primitive. When the config's model fits under no rung, `one_gpu`
+    gives the largest model of its shape that fits and the options outside this template, with their memory."""
     args = {"config": config, "overrides": overrides, "rungs": rungs, "max_micro_batch": max_micro_batch,
             "max_runs_per_rung": max_runs_per_rung}
     _validate(config, overrides)
@@ -243,4 +248,55 @@ async def capacity_sweep(
     try:
         return await anyio.to_thread.run_sync(run)
     except (ConfigError, UnsafeName, FileNotFoundError, KeyError, ValueError) as e:
+        raise tool_error(e) from None
+
+
+@mcp.tool(annotations=WRITES_CONFIG)
+async def import_hf_config(
+    path_or_json: Annotated[str, Field(description="A Hugging Face config.json: its path (or its folder) on this "
+                                                   "machine, or the JSON text itself. Never fetched from the "
+                                                   "network.")],
+    name: Annotated[str, AfterValidator(_name_only),
+                    Field(description="Config to write: configs/local/<name>.yaml (a plain name, e.g. 'qwen2-72b').")],
+    ctx: Context,
+    accept: Annotated[list[str], Field(description="Behavioural differences a refusal named that you accept "
+                                                   "leaving out (e.g. attention_bias, rope_scaling).")] = [],  # noqa: B006
+    seq_len: Annotated[int | None, Field(ge=2, description="train.seq_len (default: the existing config's, or "
+                                                           "min(4096, max_position_embeddings)).")] = None,
+) -> HfImport:
+    """Write a config from a Llama, Mistral, Mixtral, Qwen2, Gemma or DeepSeek-V3 config.json: every field the
+    template models (layers, hidden, FFN, heads, KV heads, vocabulary, RoPE theta, norm eps, experts, top-k).
+    What the template cannot express is refused field by field, nothing written: structural differences
+    (MLA, shared experts, dense first layers, a tied head, another head_dim) always, behavioural ones (biases,
+    sliding window beyond seq_len, RoPE scaling, another activation) unless named in `accept`. Then
+    estimate_memory, plan or export_layout it by name."""
+    from curry_train.store.hf_import import import_hf_config as do_import
+
+    try:
+        out = do_import(path_or_json, name, accept=accept, seq_len=seq_len, root=root())
+    except (ConfigError, UnsafeName, FileNotFoundError) as e:
+        raise tool_error(e) from None
+    if out.created:
+        from .resources import announce_config
+
+        await announce_config(out.name, ctx)
+    return out
+
+
+@mcp.tool(annotations=READ_ONLY)
+def export_layout(
+    config: ConfigName,
+    framework: Annotated[Framework, Field(description="The framework you train with: torchtitan (job TOML), "
+                                                      "megatron (pretrain_gpt.py arguments), deepspeed "
+                                                      "(ds_config JSON) or accelerate (FSDP config YAML).")],
+    overrides: Overrides = {},  # noqa: B006
+) -> LayoutExport:
+    """The config's layout (parallel degrees, ZeRO/FSDP, recompute, pipeline schedule, micro/global batch) as
+    the target framework's own config text, with what the target cannot express and how its per-rank memory
+    differs from this template's estimate. Pass plan's final_patch as overrides to export a plan's layout."""
+    from curry_train.advice.export import export_layout as do_export
+
+    try:
+        return do_export(config, framework, overrides, root=root())
+    except (ConfigError, UnsafeName, FileNotFoundError, KeyError) as e:
         raise tool_error(e) from None

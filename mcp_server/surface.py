@@ -8,9 +8,10 @@ its own:
 - `case_insensitive_choices`: a string choice (a `Literal`) matches whatever its case (`symptom="OOM"`).
 - `plain_validation_errors`: an argument error reaches the client as the product's own line (field, value, fix;
   server.plain_argument_errors), never pydantic's text with its type tags and web links.
-- `trim_output_schemas`: output schemas keep their structure (types, properties, required, enums) and lose their
-  prose (descriptions, titles, examples): a client validates structured content against them, while the model
-  reads each tool's description. That halves `tools/list` (tests/test_mcp_stdio.py measures it, < 50 KB).
+- `trim_output_schemas`: output schemas keep the result's own fields (types, required, enums) and lose their
+  prose (descriptions, titles, examples) and the nested models' definitions: a client validates structured
+  content against them, while the model reads each tool's description. tests/test_mcp_stdio.py measures
+  `tools/list` over stdio against MAX_TOOLS_LIST_BYTES.
 """
 
 from __future__ import annotations
@@ -98,8 +99,27 @@ def strip_prose(schema: Any) -> Any:
     return out
 
 
+def shallow(schema: dict[str, Any]) -> dict[str, Any]:
+    """The schema with each `$ref` to a nested model replaced by that model's bare type (`{"type": "object"}`)
+    and `$defs` dropped: a client checks the result's own fields and their types; the nested models' fields are
+    in the tool's description and the docs, and were half of every output schema."""
+    defs = schema.get("$defs") or {}
+
+    def walk(node: Any) -> Any:
+        if isinstance(node, list):
+            return [walk(n) for n in node]
+        if not isinstance(node, dict):
+            return node
+        if "$ref" in node:
+            target = defs.get(str(node["$ref"]).rsplit("/", 1)[-1], {})
+            return {"type": target.get("type", "object"), **({"enum": target["enum"]} if "enum" in target else {})}
+        return {k: walk(v) for k, v in node.items() if k != "$defs"}
+
+    return walk(schema)
+
+
 def trim_output_schemas(mcp: MCPServer) -> None:
     for tool in mcp._tool_manager.list_tools():
         if tool.fn_metadata.output_schema is not None:
-            tool.fn_metadata.output_schema = strip_prose(tool.fn_metadata.output_schema)
+            tool.fn_metadata.output_schema = shallow(strip_prose(tool.fn_metadata.output_schema))
             tool.__dict__.pop("output_schema", None)  # Tool.output_schema is a cached_property over fn_metadata

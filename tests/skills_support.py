@@ -44,6 +44,8 @@ TOOLS: dict[str, tuple[set[str] | None, set[str]]] = {
     "capacity_sweep": (None, {"config"}),
     "climb": ({"config", "memory_budget", "overrides", "name", "steps", "max_rungs", "keep_checkpoints"},
               {"config", "memory_budget"}),
+    "import_hf_config": ({"path_or_json", "name", "accept", "seq_len"}, {"path_or_json", "name"}),
+    "export_layout": ({"config", "framework", "overrides"}, {"config", "framework"}),
 }
 CONFIG_TOOLS = {"bench", "whitebox_compare", "estimate_memory", "recommend_next", "capacity_sweep"}
 SYMPTOMS = {"oom", "slow", "none", None}
@@ -60,6 +62,8 @@ CLI_COMMANDS = {
     "climb",
     "mcp",
     "install-skills",
+    "import-hf",
+    "export",
 }
 
 # Entry points the skills name, and the template file that must define each (the planned layout).

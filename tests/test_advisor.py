@@ -96,8 +96,10 @@ def test_moe_at_full_sharding_gets_expert_parallel_and_dense_models_never_do():
 
 
 def test_slow_across_nodes_and_comm_bound_gets_pipeline_parallel():
-    ov = {"train.seq_len": 1024, "parallel.dp": 32, "hardware.nodes": 4, "parallel.zero": 3,
-          "train.global_batch": 512}
+    # 32 one-GPU nodes: every ZeRO-3 gather crosses the network on a single NIC per rank (a DGX's 8 NICs per node
+    # would carry DP over whole nodes at near the node's own bandwidth: estimator/comm.py _rails)
+    ov = {"train.seq_len": 1024, "parallel.dp": 32, "hardware.nodes": 32, "hardware.gpus_per_node": 1,
+          "parallel.zero": 3, "train.global_batch": 512}
     r = recommend_next("llama3-8b", None, ov)
     assert r.symptom == "slow"
     assert r.primitive == "pp" and r.throughput_change_pct > 0
@@ -142,38 +144,37 @@ def test_the_8b_preset_relaxes_full_recompute_and_the_plan_agrees():
     assert plan("llama3-8b", 8, 1, 80.0, 8192, 512).final["recompute"] in ("none", "selective")
 
 
-def test_the_70b_preset_drops_tensor_parallel_only_with_the_micro_batch_that_makes_it_pay():
-    """Removing TP 8 alone gains about 4% of the step, inside the 10% the planner counts as a tie (churn, not
-    advice); without TP a micro-batch of 2 fits and the pair gains about 20%: that is the named improvement, and
-    the plan that searches the micro-batch ends at the same layout."""
+def test_the_70b_preset_drops_tensor_parallel_when_its_cost_passes_the_removal_bar():
+    """TP 8 on Llama 3 70B costs about a quarter of the step (its 1,024-wide GEMM shards run below the full-width
+    ones, and its collectives sit on the critical path; estimator/compute.py): removing it alone gains more than
+    REMOVE_GAIN, so that is the named improvement, and the plan ends without TP too."""
     from curry_train.advice.planner import plan
     from curry_train.advice.tune import REMOVE_GAIN
 
     r = recommend_next("llama3-70b")
     assert r.action == "remove" and r.primitive == "tp" and r.improvement
-    assert r.config_patch == {"parallel.tp": 1, "parallel.sp": False, "parallel.dp": 32, "train.micro_batch": 2}
+    assert r.config_patch == {"parallel.tp": 1, "parallel.sp": False, "parallel.dp": 32}
     assert r.fits_after and r.step_time_after_s <= r.step_time_before_s * (1 - REMOVE_GAIN)
-    assert "pays only without it" in r.reason
-    alone = [a for a in r.alternatives if a.patch == {"parallel.tp": 1, "parallel.sp": False, "parallel.dp": 32}]
-    assert alone and alone[0].step_time_s > r.step_time_before_s * (1 - REMOVE_GAIN)  # TP alone: a tie
     p = plan("llama3-70b", 8, 4, 80.0, 8192, 1024)
-    assert p.final["tp"] == 1 and p.micro_batch == 2
+    assert p.final["tp"] == 1
 
 
 def test_slow_weighs_every_lever_with_numbers_and_names_refusals_as_such():
-    # FSDP over 2 nodes all-gathers every expert per micro-batch across them: HSDP (a real patch now that the
-    # template runs parallel.dp_replicate) keeps the gathers inside a node; EP and the micro-batch are weighed too
+    # FSDP over 2 nodes all-gathers every expert per micro-batch: EP 8 keeps each expert on its ranks and is the
+    # fastest lever; HSDP (a real patch: the template runs parallel.dp_replicate) and the micro-batch are weighed
+    # with their numbers
     r = recommend_next("mixtral-8x7b", None, {"parallel.ep": 1, "parallel.zero": 3, "hardware.gpu_memory_gib": 131.0})
-    assert (r.action, r.primitive, r.config_patch) == ("add", "hsdp", {"parallel.dp_replicate": 2})
-    assert r.fits_after and r.step_time_after_s < r.step_time_before_s and "HSDP" in r.reason
+    assert (r.action, r.primitive, r.config_patch) == ("add", "ep", {"parallel.ep": 8})
+    assert r.fits_after and r.step_time_after_s < r.step_time_before_s
     assert any(a.change.startswith("double micro_batch") and a.step_time_s for a in r.alternatives)
-    assert any(a.change == "ep 8" and a.fits and a.step_time_s < r.step_time_before_s for a in r.alternatives)
+    assert any(a.change.startswith("HSDP: dp_replicate 2") and a.fits and r.step_time_after_s < a.step_time_s <
+               r.step_time_before_s for a in r.alternatives)
     assert not any("dp_replicate yet" in x or "named, not proposed" in x for x in r.rejected)
     # a lever the config rules refuse is reported as such (field and fix), never as "does not fit": an unpadded
     # vocabulary blocks every TP size, and the refusal carries Megatron's padding
-    r = recommend_next("llama3-8b", "slow", {"hardware.nodes": 4, "parallel.dp": 32, "train.seq_len": 4096,
-                                             "model.vocab_size": 50257})
-    assert r.primitive == "hsdp" and r.config_patch == {"parallel.dp_replicate": 4}
+    r = recommend_next("llama3-8b", "slow", {"hardware.nodes": 16, "hardware.gpus_per_node": 2, "parallel.dp": 32,
+                                             "train.seq_len": 4096, "model.vocab_size": 50257})
+    assert r.action == "add" and r.step_time_after_s < r.step_time_before_s
     tp = [x for x in r.rejected if x.startswith("tp: refused by the config rules")]
     assert tp and "model.vocab_size" in tp[0] and "Fix:" in tp[0] and "pad model.vocab_size 50257" in tp[0]
     assert not any("no pipeline split" in x or "does not fit" in x for x in r.rejected)

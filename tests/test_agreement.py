@@ -187,7 +187,7 @@ def test_mixtral_on_16_h100_gets_one_answer():
 
 
 def test_expert_parallel_is_sized_by_step_time_among_the_sizes_that_fit():
-    r = recommend_next("mixtral-8x7b", None, {"parallel.ep": 1, "parallel.zero": 3})
+    r = recommend_next("mixtral-8x7b", None, {"parallel.ep": 1, "parallel.zero": 3, "parallel.recompute": "full"})
     assert r.primitive == "ep" and r.fits_after
     fits = [a for a in r.alternatives if a.change.startswith("ep ") and a.fits]
     assert fits and all(r.step_time_after_s <= a.step_time_s for a in fits)

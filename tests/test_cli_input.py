@@ -82,6 +82,8 @@ def test_estimate_on_tiny_prints_units_that_scale(project):
     assert r.returncode == 0, r.stderr
     assert "0.00 GiB" not in r.stdout and "0.000" not in r.stdout
     assert "MiB" in r.stdout and "KiB" in r.stdout and "181k params" in r.stdout
+    # MFU and HFU with the one convention they count in (estimator/layout.py MFU_CONVENTION)
+    assert "HFU" in r.stdout and "causal attention counted as half" in r.stdout
 
 
 def test_sweep_says_what_no_micro_batch_means(project):

@@ -99,14 +99,15 @@ def test_flipping_the_rings_dtype_is_seen(fake_cp2, monkeypatch):
 
 
 def test_ring_attention_costs_what_the_rest_of_the_block_costs():
-    # CP and DP over the same ranks give each rank the same tokens and the same executed FLOPs: at the same peak
-    # their block compute is equal. An fp32 price for the ring (67 instead of 989 TFLOP/s on H100) breaks it.
+    # CP and DP over the same ranks give each rank the same tokens and the same executed FLOPs, priced at the same
+    # peak: CP's shorter kernels (s/cp keys per ring block, s/cp tokens per GEMM) run a little slower, within 25%.
+    # An fp32 price for the ring (67 instead of 989 TFLOP/s on H100) would cost it several times more.
     hw = get_profile("H100")
     x_cp = _cp_layout()
     x_dp = replace_layout(x_cp, dp=8, cp=1)
     blocks_cp, _, _ = comm._stage_costs(x_cp, hw)
     blocks_dp, _, _ = comm._stage_costs(x_dp, hw)
-    assert blocks_cp == pytest.approx(blocks_dp, rel=1e-9)
+    assert blocks_dp < blocks_cp < 1.25 * blocks_dp
 
 
 def test_an_fp32_priced_ring_would_be_seen(monkeypatch):
@@ -119,7 +120,8 @@ def test_an_fp32_priced_ring_would_be_seen(monkeypatch):
 
 def test_8b_at_128k_on_one_h100_node_plans_cp_at_the_hand_formula():
     # Llama 3 8B, 32 sequences of 128k tokens (4M tokens per step, the preset's), 8 H100: the plan's final uses CP
-    # and its step is within 25% of tokens x FLOPs/token / (GPUs x peak x efficiency), the estimator's own figures
+    # and its step is within 25% of its FLOPs by hand: the linears at the GEMM ceiling, the causal attention at the
+    # fused kernel's ceiling, both at the sustained clock (estimator/compute.py), over 8 GPUs
     from curry_train.advice.planner import plan
 
     seq, gb = 131072, 32
@@ -128,6 +130,12 @@ def test_8b_at_128k_on_one_h100_node_plans_cp_at_the_hand_formula():
     ov = {"train.seq_len": seq, "train.global_batch": gb, "train.micro_batch": p.micro_batch,
           **{f"parallel.{k}": v for k, v in p.final.items()}}
     e = estimate(load_any("llama3-8b", ov), gpu="H100")
-    hand = gb * seq * e.hardware_flops_per_token / (8 * e.hardware.peak_flops("bfloat16") * e.hardware.efficiency)
+    from curry_train.estimator.compute import SUSTAINED_CLOCK
+    from curry_train.estimator.layout import attention_flops_per_token
+
+    hw, attn = e.hardware, attention_flops_per_token(layout_of(load_any("llama3-8b", ov)))
+    peak = hw.peak_flops("bfloat16") * SUSTAINED_CLOCK
+    hand = gb * seq * ((e.hardware_flops_per_token - attn) / (peak * hw.efficiency) +
+                       attn / (peak * hw.attention_efficiency)) / 8
     assert e.fits and e.step_time.total_s == pytest.approx(p.final_step_time_s, rel=1e-9)
     assert abs(p.final_step_time_s / hand - 1) <= 0.25, (p.final_step_time_s, hand)

@@ -105,12 +105,19 @@ def test_first_pipeline_stage_carries_the_embedding_and_the_last_the_head():
     assert len(e.per_pp_rank) == 9
 
 
-def test_flops_per_token_follow_the_palm_convention():
+def test_flops_per_token_count_causal_attention_at_half():
     cfg = load_any("llama3-8b")
     m = cfg.model
     n_active = m.n_layers * (2 * m.d_model * m.d_model + 2 * m.d_model * m.n_kv_heads * (m.d_model // m.n_heads)
                              + 3 * m.d_model * m.d_ff) + m.vocab_size * m.d_model
-    assert flops_per_token(cfg) == pytest.approx(6 * n_active + 12 * m.n_layers * m.d_model * cfg.train.seq_len)
+    # the MFU convention (layout.MFU_CONVENTION): 6 N + 6 L H Dh s, the causal half PaLM's 12 L H Dh s doubles
+    assert flops_per_token(cfg) == pytest.approx(6 * n_active + 6 * m.n_layers * m.d_model * cfg.train.seq_len)
+
+
+def test_mfu_and_hfu_are_both_reported_with_their_convention():
+    # full recompute executes one more forward of the blocks: HFU counts it, MFU does not
+    st = estimate_memory("llama3-8b", {"parallel.recompute": "full"}).step_time
+    assert st.hfu > st.mfu > 0 and "causal" in st.mfu_convention and "recompute" in st.mfu_convention
 
 
 def test_communication_counts_the_implementations_collectives():

@@ -23,7 +23,9 @@ from curry_train.estimator.profiles import (
 
 
 def test_every_named_gpu_has_a_budget_a_speed_and_a_source():
-    assert set(GPU_NAMES) == {"A100-40", "A100-80", "H100", "H200", "B200", "MI300X", "L40S", "CPU"}
+    assert set(GPU_NAMES) == {"RTX4090", "RTX3090", "A6000", "L4", "A10", "A10G", "V100-16", "V100-32", "A100-40",
+                              "A100-80", "A100-40-PCIe", "A100-80-PCIe", "H100", "H100-PCIe", "H100-NVL", "H800",
+                              "H200", "B200", "GB200", "MI250X", "MI300X", "L40S", "M2-Ultra", "CPU"}
     for name, p in PROFILES.items():
         assert p.memory_gib > 0 and p.peak_tflops_bf16 > 0 and p.mem_bw_gbps > 0 and p.gpus_per_node >= 1
         assert p.intra_node_gbps >= p.inter_node_gbps > 0 and p.reference, name
@@ -45,7 +47,8 @@ def test_a_named_gpu_sets_the_budget_and_the_speed():
     h100 = estimate_memory("llama3-70b", gpu="H100")
     assert a40.budget_bytes == 40 * 2**30 and a80.budget_bytes == 80 * 2**30
     assert a40.memory.total == a80.memory.total  # same layout, same bytes; only the budget differs
-    assert a40.step_time.total_s == pytest.approx(a80.step_time.total_s, rel=1e-3)  # HBM bw differs a bit
+    # same peak; the element-wise passes run at HBM bandwidth (1,555 vs 2,039 GB/s): A100-40 a little slower
+    assert a80.step_time.total_s < a40.step_time.total_s < 1.15 * a80.step_time.total_s
     assert a80.step_time.total_s > 2 * h100.step_time.total_s  # 312 vs 989 TFLOP/s
     assert a80.gpu_profile == "A100-80" and "A100-80" in a80.hardware_note
 
@@ -74,9 +77,11 @@ def test_bad_cluster_inputs_name_the_field_and_the_fix(field, kw):
 
 
 def test_collectives_on_one_link_share_the_compute_they_hide_behind():
-    """Llama 3 70B, dp32 ZeRO-3: ~196 s all-gather + ~195 s reduce-scatter over the network against ~352 s of
-    compute. Each fits behind the compute alone, together they do not: exposed >= link time - compute."""
-    e = estimate_memory("llama3-70b", {"parallel.dp": 32, "parallel.tp": 1, "parallel.sp": False})
+    """Llama 3 70B, dp32 ZeRO-3 on 32 one-GPU nodes (every rank on its own NIC): the all-gathers and the
+    reduce-scatters over the network each fit behind the compute alone, together they do not: exposed >= link
+    time - compute."""
+    e = estimate_memory("llama3-70b", {"parallel.dp": 32, "parallel.tp": 1, "parallel.sp": False,
+                                       "hardware.gpus_per_node": 1, "hardware.nodes": 32})
     fsdp = [c for c in e.communication if c.primitive == "fsdp"]
     link = sum(c.time_s for c in fsdp)
     assert all(c.link == "inter" and c.time_s < e.step_time.compute_s for c in fsdp)

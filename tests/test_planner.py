@@ -124,11 +124,13 @@ def test_final_is_the_lightest_clean_layout_within_ten_percent_and_uses_the_gpus
 
 
 def test_hsdp_and_uneven_pipeline_stages_are_searched():
-    # FSDP over 4 nodes: HSDP (8-rank shard groups, 4 replicas) keeps the gathers on the node's link and wins
+    # FSDP over 4 nodes: HSDP (8-rank shard groups, 4 replicas) is searched and weighed against FSDP over all 32
+    # ranks; with a NIC per GPU (rail-optimised, estimator/comm.py _rails) the 8B's gathers hide behind compute
+    # either way and the two tie within 5%
     p = plan("llama3-8b", 8, 4, 80.0, 4096, 128, top=100_000)
-    assert p.final["dp_replicate"] == 4 and p.final["zero"] >= 2 and p.final_patch["parallel.dp_replicate"] == 4
-    assert p.rungs[-1].primitive == "hsdp" and "4 replicas across nodes" in p.rungs[-1].reason
-    assert any(r.parallel["dp_replicate"] == 1 and r.parallel["zero"] >= 2 for r in p.ranked)  # FSDP weighed too
+    hsdp = [r for r in p.ranked if r.parallel["dp_replicate"] == 4 and r.parallel["zero"] >= 2]
+    fsdp = [r for r in p.ranked if r.parallel["dp_replicate"] == 1 and r.parallel["zero"] >= 2]
+    assert hsdp and fsdp and abs(hsdp[0].step_time_s / fsdp[0].step_time_s - 1) < 0.05
     # BLOOM's 70 layers over PP12 (uneven stages): expressible, and the whole cluster is used
     b = plan("bloom-176b", 8, 48, 80.0, 2048, 2048, micro_batch=2, gpu="A100-80", top=100_000)
     shapes = {(r.parallel["tp"], r.parallel["pp"], r.parallel["dp"]) for r in b.ranked}

@@ -9,6 +9,7 @@ rejection must name or None). DEFECTS are the wrong arguments that must be caugh
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from curry_train.config import flatten, load_config
@@ -84,6 +85,16 @@ HW = st.one_of(st.none(), st.sampled_from(["A100-40", "A100-80", "H100", "H200",
 RUN_IDS = st.one_of(st.sampled_from(["RUN_A", "RUN_B", "bench-nope", "../runs", "ledger.sqlite3", ".device.lock",
                                      "/etc", "run\n"]), names(["bench-20250101-000000-abcdef"]))
 
+# Hugging Face config.json texts: valid ones (llama, mixtral) and ones each missing or adding a field.
+_HF = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+       "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 256, "rope_theta": 10000.0}
+_HF_MOE = {**_HF, "model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 2}
+HF_VALID = st.sampled_from([json.dumps(_HF), json.dumps(_HF_MOE)])
+HF_JSON = st.one_of(HF_VALID, st.sampled_from([
+    json.dumps({k: v for k, v in _HF.items() if k != "hidden_size"}), json.dumps({**_HF, "model_type": "gpt2"}),
+    json.dumps({**_HF, "num_key_value_heads": 3}), json.dumps({**_HF, "head_dim": 8}), json.dumps([1, 2]),
+    json.dumps({**_HF, "hidden_size": "wide"}), json.dumps({**_HF, "num_hidden_layers": 0}), "{", "{}"]))
+
 CHAOS: dict[str, st.SearchStrategy[dict[str, Any]]] = {
     "probe_hardware": args_for({}, {"measure": BOOL}),
     "bench": args_for({"config": names(GOOD_CONFIGS)},
@@ -117,6 +128,16 @@ CHAOS: dict[str, st.SearchStrategy[dict[str, Any]]] = {
                                                    JUNK),
                                 "max_micro_batch": ints(1, 1 << 20), "max_runs_per_rung": ints(1, 64),
                                 "timeout_s": TIMEOUT}),
+    "import_hf_config": args_for({"path_or_json": st.one_of(HF_JSON, JUNK, st.sampled_from(BAD_NAMES[:8])),
+                                  "name": names(["fz-hf", "fz-hf.2"])},
+                                 {"accept": st.one_of(st.lists(st.sampled_from(["rope_scaling", "attention_bias",
+                                                                                "head_dim", "", "nope"]),
+                                                               max_size=2), JUNK),
+                                  "seq_len": ints(2, 10**7)}),
+    "export_layout": args_for({"config": names(GOOD_CONFIGS + ["llama3-8b"]),
+                               "framework": st.one_of(st.sampled_from(["torchtitan", "megatron", "deepspeed",
+                                                                       "accelerate", "jax", "Megatron"]), JUNK)},
+                              {"overrides": OVERRIDES}),
 }
 
 # Valid arguments (the long tools' launches go to the stand-in in memory; cheap tools compute for real).
@@ -147,6 +168,12 @@ VALID: dict[str, st.SearchStrategy[dict[str, Any]]] = {
     "capacity_sweep": st.fixed_dictionaries({"config": st.sampled_from(GOOD_CONFIGS)}, optional={
         "overrides": STEADY_OVERRIDES, "measured": st.booleans(), "rungs": st.sampled_from([None, ["single"]]),
         "max_micro_batch": st.integers(1, 64), "max_runs_per_rung": st.integers(1, 8)}),
+    "import_hf_config": st.fixed_dictionaries({"path_or_json": HF_VALID, "name": st.sampled_from(["fz-hf"])},
+                                              optional={"seq_len": st.sampled_from([64, 128])}),
+    "export_layout": st.fixed_dictionaries({"config": st.sampled_from(GOOD_CONFIGS + ["llama3-8b"]),
+                                            "framework": st.sampled_from(["torchtitan", "megatron", "deepspeed",
+                                                                          "accelerate"])},
+                                           optional={"overrides": STEADY_OVERRIDES}),
 }
 
 
@@ -174,7 +201,7 @@ def edge(tool: str) -> st.SearchStrategy[tuple[dict[str, Any], None]]:
 # (arguments, the field a rejection must name or None): chaos, one wrong field, edge values, or valid.
 STRATEGIES: dict[str, st.SearchStrategy[tuple[dict[str, Any], str | None]]] = {
     tool: st.one_of(CHAOS[tool].map(lambda a: (a, None)), mutated(tool),
-                    *([edge(tool)] if tool not in ("probe_hardware", "runs_diff", "plan") else []),
+                    *([edge(tool)] if tool not in ("probe_hardware", "runs_diff", "plan", "import_hf_config") else []),
                     VALID[tool].map(lambda a: (a, None)))
     for tool in CHAOS
 }

@@ -5,7 +5,9 @@
 
 The ladder (skills/stage4-parallel-primitive-intro; its gates in curry_train/rules/gates.py), one rung per call:
   An estimated OOM comes first, whatever the symptom:
-  OOM on one device         -> recompute (selective if it fits, else full); then more GPUs with ZeRO.
+  OOM on one device         -> recompute (selective if it fits, else full); then more GPUs with ZeRO. Recompute
+                               that cannot fit is never the answer; with no more GPUs, `one_gpu`
+                               (advice/beyond.py): what fits on this GPU and the options beyond the ladder.
   OOM under DDP (zero < 3)  -> the lowest ZeRO stage that fits (1: optimizer state, 2: + gradients, 3: + params).
   OOM at ZeRO-3             -> recompute; then EP (MoE); then TP (+SP) inside a node or, for long sequences whose
                                activations overflow, CP: the faster of the two that fits (TP is still tried
@@ -39,6 +41,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
+from curry_train.advice.beyond import OneGpuAnswer, one_gpu_answer
 from curry_train.advice.decide import Alt, Ctx, Primitive, oom_evidence
 from curry_train.advice.tune import decide
 from curry_train.advice.wording import _gib, _set, render, render_rejected
@@ -108,6 +111,9 @@ class Recommendation(BaseModel):
     if_confirmed: dict[str, Any] = Field(default_factory=dict, description="For an unconfirmed OOM: the next "
                                          "rung's patch, to apply if the measurement confirms it.")
     validation: Validation | None = None
+    one_gpu: OneGpuAnswer | None = Field(None, description="When only more GPUs help: what fits on one GPU of "
+                                         "this type and the options beyond this template's ladder (LoRA, QLoRA, "
+                                         "8-bit AdamW, CPU/NVMe offload), each with its GPU and host memory.")
 
 
 def _alternatives(alts: list[Alt], est: Estimate, chosen: dict[str, Any]) -> list[Alternative]:
@@ -186,4 +192,5 @@ def recommend_next(config: str | Path | dict[str, Any] | Config, symptom: Sympto
         alternatives=_alternatives(c.alts, est, patch), min_nodes_to_fit=d.facts.get("min_nodes"),
         gpu_profile=est.gpu_profile or est.hardware.name, validation=validation, evidence=evidence,
         improvement=bool(patch) and not evidence and asked in (None, "none") and action != "none",
-        if_confirmed=d.facts.get("next_patch", {}))
+        if_confirmed=d.facts.get("next_patch", {}),
+        one_gpu=one_gpu_answer(cfg, hardware=hardware, probe=probe) if more else None)

@@ -201,19 +201,25 @@ def oom(c: Ctx) -> Decision:
 
     # 1. one device: recompute first, then more GPUs with ZeRO
     if cfg.world_size == 1:
+        # A rung the estimate says cannot fit is not the first answer: recompute when it fits, else ZeRO over more
+        # GPUs when that fits; recompute stays the step down only when neither does and more GPUs exist.
         r = recompute()
-        if r is not None:
+        if r is not None and r.facts["fits"]:
             c.reject("one_device_recompute_first")
             return r
         sizes = [d for d in dp_sizes(cfg, avail) if d > 1]
         if not sizes:
+            if r is not None:
+                c.reject("recompute_not_enough", total=r.facts["total"], mode=r.facts["mode"])
             return Decision("none", {}, None, "one_device_more_gpus",
                             {"gpus_per_node": h.gpus_per_node, "nodes": h.nodes, "recompute": p.recompute,
                              "min_nodes": min_nodes_to_fit(cfg, c.est.hardware)}, True)
         d = sizes[0]
         got = c.first_fit("zero", [{"parallel.dp": d, "parallel.zero": z} for z in (1, 2, 3)])
-        if got is None:
-            return Decision("none", {}, None, "no_dp_layout", {"avail": avail}, True)
+        if got is None or (r is not None and not c.fits(got[1])):
+            return r or Decision("none", {}, None, "no_dp_layout", {"avail": avail}, True)
+        if r is not None:
+            c.reject("recompute_not_enough", total=r.facts["total"], mode=r.facts["mode"])
         patch, e = got
         return c.took(f"zero{patch['parallel.zero']}", "zero_from_one_device", patch, e, dp=d,
                       zero=patch["parallel.zero"], recompute=p.recompute)

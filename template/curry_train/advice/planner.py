@@ -21,6 +21,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
+from curry_train.advice.beyond import OneGpuAnswer, one_gpu_answer
 from curry_train.advice.search import PEAK_ERROR_BAND, PEAK_ERROR_MEASURED, Row, choose, label, min_nodes_to_fit, search
 from curry_train.config import Config, ModelConfig, from_dict, load_yaml
 from curry_train.estimator import GiB, estimate, reserve_bytes, resolve_hardware
@@ -91,6 +92,9 @@ class Plan(BaseModel):
     min_nodes_to_fit: int | None = Field(None, description="When nothing fits: the smallest node count of this "
                                          "node type on which a layout fits (None when none up to 131,072 GPUs).")
     hints: list[str] = Field(default_factory=list, description="What would open more layouts (vocabulary padding).")
+    one_gpu: OneGpuAnswer | None = Field(None, description="When nothing fits: what fits on one GPU of this type "
+                                         "and the options beyond this template (LoRA, QLoRA, 8-bit AdamW, "
+                                         "CPU/NVMe offload), each with its GPU and host memory.")
     ranked: list[RankedLayout] = Field(description="The fastest layouts that fit, best first.")
     layouts_valid: int = Field(description="Valid layouts enumerated (config rules).")
     layouts_fitting: int
@@ -263,7 +267,7 @@ def plan(model: str | dict[str, Any], gpus_per_node: int = 8, nodes: int = 1, gp
     """Rank every layout of the cluster, pick `final`, and climb to it.
 
     `model` names a config in configs/ (its model section, and its seq_len/global_batch when not given) or is
-    an inline model section dict. `gpu` (A100-40, A100-80, H100, H200, B200, MI300X, L40S, CPU) sets the speed
+    an inline model section dict. `gpu` (estimator.profiles.GPU_NAMES, any spelling) sets the speed
     and the memory budget (capped by gpu_memory_gib when that is smaller); `hardware` names a speed profile only.
     `micro_batch` is kept on every row unless `search_micro_batch` (default: on only when no micro_batch is
     given) lets the search try the powers of two that divide the per-rank batch (a change is stated in
@@ -324,5 +328,6 @@ def plan(model: str | dict[str, Any], gpus_per_node: int = 8, nodes: int = 1, gp
                 final_step_time_s=final_row.step_s if final_row else None, fastest_clean_step_time_s=best,
                 final_anti_patterns=final_row.anti if final_row else [], gpus_used=used, idle_reason=idle,
                 fits=final_row is not None, more_gpus_needed=final_row is None, min_nodes_to_fit=min_nodes,
-                hints=hints, ranked=[_ranked(r, usable, final_row) for r in rows[:top]], layouts_valid=found.valid,
+                hints=hints, one_gpu=None if final_row is not None else one_gpu_answer(cfg, hardware=hw),
+                ranked=[_ranked(r, usable, final_row) for r in rows[:top]], layouts_valid=found.valid,
                 layouts_fitting=len(found.rows), seconds=time.perf_counter() - t0)

@@ -29,22 +29,12 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
+from curry_train.advice.beyond import OneGpuAnswer, one_gpu_answer
+from curry_train.advice.family import DEPTHS, WIDTHS, FamilyMember, family, member
 from curry_train.config import Config, ConfigError, from_dict
 from curry_train.estimator import GiB, estimate, load_any, param_count
 
 Measure = Callable[[Config], "int | None"]  # a real run's worst per-rank peak in bytes; None: it did not fit
-
-WIDTHS = (0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0)
-DEPTHS = (0.5, 1.0, 1.5, 2.0, 3.0, 4.0)
-
-
-class FamilyMember(BaseModel):
-    d_model: int
-    n_layers: int
-    n_heads: int
-    n_kv_heads: int
-    d_ff: int
-    params: int
 
 
 class SweepRow(BaseModel):
@@ -78,42 +68,10 @@ class SweepResult(BaseModel):
     micro_batch: int = Field(description="The micro-batch the model search used.")
     family: list[FamilyMember] = Field(description="The width x depth family, smallest first.")
     rungs: list[SweepRow]
+    one_gpu: OneGpuAnswer | None = Field(None, description="When the config's model fits under no rung: what fits "
+                                         "on one GPU (the largest model of this shape, scaled below the family) and "
+                                         "the options beyond this template, each with its GPU and host memory.")
     seconds: float
-
-
-# ----------------------------------------------------------------------------------------------- family
-
-
-def family(cfg: Config, widths: tuple[float, ...] = WIDTHS, depths: tuple[float, ...] = DEPTHS) -> list[dict]:
-    """Model sections scaled in width (head dim fixed) and depth, valid for the config, smallest first."""
-    m = cfg.model
-    head_dim = m.d_model // m.n_heads
-    kv_ratio = m.n_heads // m.n_kv_heads
-    ff_ratio = m.d_ff / m.d_model
-    out: dict[tuple[int, int], dict] = {}
-    for w in widths:
-        heads = max(kv_ratio, round(m.n_heads * w / kv_ratio) * kv_ratio)
-        d = heads * head_dim
-        d_ff = max(8, round(ff_ratio * d / 8) * 8)
-        for dep in depths:
-            layers = max(1, round(m.n_layers * dep))
-            sec = {**m.model_dump(), "d_model": d, "n_heads": heads, "n_kv_heads": heads // kv_ratio,
-                   "d_ff": d_ff, "n_layers": layers}
-            out[(d, layers)] = sec
-    members = []
-    for sec in out.values():
-        try:
-            c = from_dict({**cfg.to_dict(), "model": sec}, validate=False)
-        except ConfigError:
-            continue
-        members.append((param_count(c), sec))
-    members.sort(key=lambda ps: ps[0])
-    return [sec for _, sec in members]
-
-
-def _member(sec: dict, params: int) -> FamilyMember:
-    return FamilyMember(d_model=sec["d_model"], n_layers=sec["n_layers"], n_heads=sec["n_heads"],
-                        n_kv_heads=sec["n_kv_heads"], d_ff=sec["d_ff"], params=params)
 
 
 # ----------------------------------------------------------------------------------------------- rungs
@@ -278,7 +236,7 @@ def capacity_sweep(config: str | Path | dict[str, Any] | Config, overrides: dict
     usable = base_est.usable_bytes
     fam = family(cfg, widths, depths)
     params = [param_count(from_dict({**cfg.to_dict(), "model": sec}, validate=False)) for sec in fam]
-    members = [_member(sec, n) for sec, n in zip(fam, params)]
+    members = [member(sec, n) for sec, n in zip(fam, params)]
     meas = measure
     mb0 = cfg.train.micro_batch
     rows = []
@@ -304,7 +262,8 @@ def capacity_sweep(config: str | Path | dict[str, Any] | Config, overrides: dict
             note="; ".join(n for n in notes if n)))
     return SweepResult(config=str(name), mode="measured" if meas else "estimate",
                        budget_bytes=base_est.budget_bytes, usable_bytes=usable, micro_batch=mb0, family=members,
-                       rungs=rows, seconds=time.perf_counter() - t0)
+                       rungs=rows, seconds=time.perf_counter() - t0,
+                       one_gpu=None if any(r.max_micro_batch for r in rows) else one_gpu_answer(cfg))
 
 
 def _gib(n: int | None) -> str:

@@ -72,6 +72,8 @@ _REJECTED: dict[str, Callable[[dict[str, Any]], str]] = {
     "slower_fit": lambda f: (f"{f['name']} {f['patch']}: fits, {f['step']:.3g} s per step against "
                              f"{f['chosen_step']:.3g} s for the size taken"),
     "still_over": lambda f: f"{f['name']} {f['patch']}: {_gib(f['total'])} still over",
+    "recompute_not_enough": lambda f: (f"recompute ({f['mode']}): {_gib(f['total'])}, still over: not a rung that "
+                                       "fits, so not the answer"),
     "one_device_recompute_first": lambda f: "zero/tp/pp: one device; recompute is the first rung (it costs FLOPs, "
                                             "not GPUs)",
     "pp_fsdp_units": lambda f: (
@@ -151,7 +153,8 @@ _REASON: dict[str, Callable[[str, dict[str, Any], Estimate, Any], str]] = {
         f"{h}, with recompute={f['recompute']} and one device on this hardware ({f['gpus_per_node']} x "
         f"{f['nodes']}): the only answer is more GPUs (then ZeRO over them)"
         + (f"; the planner finds a fitting layout from {f['min_nodes']} nodes of {f['gpus_per_node']}"
-           if f.get("min_nodes") else "") + "."),
+           if f.get("min_nodes") else "") + ". On this one GPU, `one_gpu` gives what does fit and the options "
+        "beyond this template (LoRA/QLoRA, 8-bit optimizer states, CPU/NVMe offload) with their memory."),
     "no_dp_layout": lambda h, f, b, e: f"{h}; no valid data-parallel layout on {f['avail']} devices: more GPUs.",
     "zero_from_one_device": lambda h, f, b, e: (
         f"{h}. Recompute ({f['recompute']}) is not enough; spread the model states over dp={f['dp']} devices: "

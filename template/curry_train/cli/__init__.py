@@ -22,7 +22,8 @@ from typing import Any
 from curry_train.cli.argtypes import CliParser, nonneg_int, positive_int, seconds, stdout_closed
 
 # Feature modules that add their own subcommands: each defines add_subcommands(subparsers).
-EXTENSIONS = ["curry_train.cli.brain", "curry_train.cli.tools", "curry_train.cli.scale", "curry_train_mcp.cli"]
+EXTENSIONS = ["curry_train.cli.brain", "curry_train.cli.tools", "curry_train.cli.scale", "curry_train.cli.interop",
+              "curry_train_mcp.cli"]
 
 EXIT_OK, EXIT_FAIL, EXIT_INVALID, EXIT_UNFINISHED = 0, 1, 2, 3
 

@@ -54,7 +54,8 @@ def _human_estimate(e: Any) -> str:
               f"{human_flops(e.flops_per_token)}/token"),
              (f"  step {e.step_time.total_s:.3g} s on {e.hardware.name}: compute {e.step_time.compute_s:.3g} s, "
               f"bubble {e.step_time.bubble_s:.3g} s, exposed comm {e.step_time.comm_exposed_s:.3g} s; "
-              f"MFU {e.step_time.mfu:.1%}"),
+              f"MFU {e.step_time.mfu:.1%}, HFU {e.step_time.hfu:.1%}"),
+             f"  ({e.step_time.mfu_convention})",
              f"  hardware: {e.hardware_note}",
              f"  dtype policy: {e.dtype_policy}"]
     for c in e.communication:
@@ -69,6 +70,8 @@ def _human_rec(r: Any) -> str:
              f"throughput {r.throughput_change_pct:+.1f}%, fits after: {r.fits_after}")]
     if r.more_gpus_needed:
         lines.append("  the only answer on this hardware is more GPUs")
+    if getattr(r, "one_gpu", None):
+        lines += [f"  {x}" for x in r.one_gpu.text]
     if r.validation:
         lines.append(f"  validate: {r.validation.command}")
     lines += [f"  not: {x}" for x in r.rejected[:6]]
@@ -99,6 +102,8 @@ def _human_plan(p: Any) -> str:
     if getattr(p, "min_nodes_to_fit", None):
         lines.append(f"  more GPUs: a layout fits from {p.min_nodes_to_fit} nodes of {p.gpus_per_node}")
     lines += [f"  hint: {h}" for h in getattr(p, "hints", [])]
+    if getattr(p, "one_gpu", None):
+        lines += [f"  {x}" for x in p.one_gpu.text]
     lines.append(f"  {p.layouts_valid} valid layouts, {p.layouts_fitting} fit" + ("; fastest:" if p.ranked else ""))
     seen = set()
     for lay in p.ranked[:5]:
@@ -126,6 +131,8 @@ def _human_sweep(s: Any, cap: int | None = None) -> str:
             mb = f"max micro-batch {r.max_micro_batch}"
         lines.append(f"  {r.rung:18s} {r.world_size:5d} ranks  {mb}  largest model "
                      f"{model}{'  ' + r.note if r.note else ''}")
+    if getattr(s, "one_gpu", None):
+        lines += [f"  {x}" for x in s.one_gpu.text]
     return "\n".join(lines)
 
 

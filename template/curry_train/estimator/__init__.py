@@ -46,7 +46,8 @@ the schedule's fullest backward starts); `memory` reports the components live at
 rank with the largest total (every other axis is symmetric; ZeRO-1 and FSDP padding take rank 0's share, the
 largest). Checked against curry_train.measure.memory on 39 tiny layouts (benchmarks/estimator_accuracy.py): model
 states exact, median total error < 0.1%. Communication uses ring factors and alpha-beta times per link (intra
-vs inter node); step time = compute at the profile's efficiency + bubble + exposed communication + optimizer.
+vs inter node); step time = compute (compute.py: GEMMs by shape, attention, element-wise bytes) + bubble + exposed
+communication + optimizer.
 
 Files, in the one direction they compute (each imports only files above it; tests/test_architecture.py checks
 it); this one holds the public API and the result models and re-exports the others:
@@ -60,7 +61,10 @@ it); this one holds the public API and the result models and re-exports the othe
   peak.py       the per-rank peak: the largest moment
   init.py       the init peak (meta-device build, then local shards one parameter at a time)
   need.py       what a layout needs per rank (step and init peak), every pipeline rank: what `fits` reads
-  profiles.py   hardware profiles (peak FLOP/s, bandwidths) for the time model
+  datasheets.py where each hardware profile's numbers come from (one source string per profile)
+  profiles.py   hardware profiles (peak FLOP/s, bandwidths, GEMM and attention ceilings) for the time model; the one
+                GPU-name resolver
+  compute.py    per-rank compute time: GEMMs by TP-local shape, fused attention by block, element-wise bytes
   makespan.py   the step's makespan: each rank's schedule order run with per-stage costs, the bubble
   comm.py       collectives per step and the step time (CommItem, StepTime)
 `fits` needs both the step peak and the init peak under the usable budget.
@@ -96,6 +100,7 @@ from curry_train.estimator.profiles import (
     GPU_NAMES,
     HardwareProfile,
     UnknownGpu,
+    bf16_note,
     check_cluster,
     from_device_name,
     from_probe,
@@ -153,7 +158,8 @@ class Estimate(BaseModel):
     model_state_bytes_per_param: float = Field(
         description="model_state_bytes / param_count: 16 for DDP, 16/d under ZeRO-3 (the ZeRO paper's Fig. 1).")
     active_params_per_token: int = Field(description="Matmul parameters one token passes through (MoE: top-k).")
-    flops_per_token: float = Field(description="Model FLOPs per token, fwd+bwd (PaLM: 6N + 12 L H Dh s).")
+    flops_per_token: float = Field(description="Model FLOPs per token, fwd+bwd: 6N + 6 L H Dh s (causal half, "
+                                               "no recompute; step_time.mfu_convention).")
     hardware_flops_per_token: float = Field(description="Executed FLOPs per token: causal attention, recompute.")
     communication: list[CommItem]
     step_time: StepTime
@@ -164,7 +170,8 @@ class Estimate(BaseModel):
     dtype_policy: str
     assumptions: list[str]
     warnings: list[str] = Field(default_factory=list, description="Primitives this layout turns on that do nothing "
-                                "(curry_train/layout_warnings.py), e.g. a ZeRO stage at dp=1.")
+                                "(curry_train/layout_warnings.py), e.g. a ZeRO stage at dp=1; a dtype the GPU "
+                                "lacks (bf16 on V100).")
 
 
 # ----------------------------------------------------------------------------------------------- memory
@@ -298,7 +305,8 @@ def estimate(cfg: Config, *, hardware: str | HardwareProfile | None = None,
                     flops_per_token=flops_per_token(cfg), hardware_flops_per_token=hardware_flops_per_token(cfg),
                     communication=items, step_time=step, hardware=hw, gpu_profile=hw.name,
                     hardware_note=_hardware_note(cfg, gpu, hardware, hw), dtype_policy=dtype_policy(cfg),
-                    assumptions=[n for n in notes if n], warnings=layout_warnings(cfg))
+                    assumptions=[n for n in notes if n],
+                    warnings=layout_warnings(cfg) + [w for w in [bf16_note(hw, cfg.train.dtype)] if w])
 
 
 def load_any(config: str | Path | dict[str, Any] | Config, overrides: dict[str, Any] | None = None, *,

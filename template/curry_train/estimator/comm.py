@@ -20,7 +20,9 @@ import math
 from pydantic import BaseModel, Field
 
 from curry_train.estimator.acts import _acts, _moe_slots
+from curry_train.estimator.compute import block_rates
 from curry_train.estimator.layout import (
+    MFU_CONVENTION,
     Layout,
     _block_tensors,
     attention_flops_per_token,
@@ -63,7 +65,11 @@ class StepTime(BaseModel):
     optimizer_s: float = Field(description="AdamW step (memory-bound).")
     total_s: float
     tokens_per_s: float
-    mfu: float = Field(description="Model FLOPs utilisation (PaLM convention: 6N + 12 L H Dh s per token).")
+    mfu: float = Field(description="Model FLOPs utilisation: 6N + 6 L H Dh s per token (causal half, no recompute) "
+                                   "over the dense peak (mfu_convention).")
+    hfu: float = Field(0.0, description="Hardware FLOPs utilisation: executed FLOPs (recompute included) over the "
+                                        "dense peak.")
+    mfu_convention: str = Field(MFU_CONVENTION, description="How mfu and hfu count FLOPs.")
     comm_fraction: float = Field(description="Exposed communication / step time.")
     comm_bound: bool = Field(description="Exposed communication exceeds half the step.")
     stage_compute_s: list[float] = Field(default_factory=list, description="Busy compute per pipeline rank "
@@ -75,11 +81,21 @@ def _span_link(layout: Layout, group: int, stride: int) -> str:
     return "intra" if group * stride <= layout.gpus_per_node else "inter"
 
 
-def _coll_time(hw: HardwareProfile, kind: str, n: int, nbytes: float, calls: int, link: str) -> tuple[float, float]:
-    """(wire bytes per rank, alpha-beta seconds) for `calls` collectives moving `nbytes` in total."""
+def _rails(layout: Layout, group: int, stride: int) -> int:
+    """Ranks of a group at `stride` that share one node: on DGX/HGX every GPU has its own NIC (rail-optimised),
+    and NCCL runs one ring channel per NIC, so a group with k ranks per node crosses nodes on k NICs at once."""
+    return max(1, min(group, layout.gpus_per_node // max(stride, 1)))
+
+
+def _coll_time(hw: HardwareProfile, kind: str, n: int, nbytes: float, calls: int, link: str,
+               rails: int = 1) -> tuple[float, float]:
+    """(wire bytes per rank, alpha-beta seconds) for `calls` collectives moving `nbytes` in total. Across nodes the
+    bus bandwidth is the per-GPU NIC's times the group's ranks per node (`_rails`), at most the node's own
+    (NVIDIA nccl-tests doc/PERFORMANCE.md: busbw is set by the slowest link a ring crosses; with k NICs in use
+    the inter-node hop carries 1/k of each ring's bytes per NIC)."""
     if n <= 1 or nbytes <= 0:
         return 0.0, 0.0
-    bw = (hw.intra_node_gbps if link == "intra" else hw.inter_node_gbps) * 1e9
+    bw = (hw.intra_node_gbps if link == "intra" else min(hw.intra_node_gbps, hw.inter_node_gbps * rails)) * 1e9
     alpha = (hw.alpha_intra_us if link == "intra" else hw.alpha_inter_us) * 1e-6
     if kind == "all_reduce":
         wire, steps = 2 * (n - 1) / n * nbytes, 2 * (n - 1)
@@ -108,26 +124,26 @@ def _comm(layout: Layout, hw: HardwareProfile, t_compute: float) -> list[CommIte
     m = layout.n_micro_batches
 
     def add(prim: str, kind: str, n: int, nbytes: float, calls: int, link: str, window: str | None,
-            critical: float = 0.0) -> None:
+            critical: float = 0.0, rails: int = 1) -> None:
         if n <= 1 or nbytes <= 0 or calls <= 0:
             return
-        wire, tm = _coll_time(hw, kind, n, nbytes, calls, link)
+        wire, tm = _coll_time(hw, kind, n, nbytes, calls, link, rails)
         entries.append((dict(primitive=prim, collective=kind, group_size=n, calls=calls, bytes=int(nbytes),
                              wire_bytes=int(wire), link=link, time_s=tm), window, critical))
 
-    dp_link = _span_link(layout, layout.dpcp, layout.tp)
+    dp_link, dp_rails = _span_link(layout, layout.dpcp, layout.tp), _rails(layout, layout.dpcp, layout.tp)
     layers = max(rank_layers(layout, stage_ids(layout, r)) for r in range(layout.pp))  # the busiest pipeline rank
     if layout.ddp:
         nbytes = st.ddp_buckets
         calls = max(1, math.ceil(max(nbytes - FIRST_BUCKET_BYTES, 0) / BUCKET_BYTES) + 1)
         # DDP syncs only on the last micro-batch (no_sync before): its buckets overlap that backward
-        add("dp", "all_reduce", layout.dpcp, nbytes, calls, dp_link, "bwd_last")
+        add("dp", "all_reduce", layout.dpcp, nbytes, calls, dp_link, "bwd_last", rails=dp_rails)
         if layout.num_experts and layout.ep > 1:
             add("ep", "all_reduce", (layout.dp // layout.ep) * layout.cp, 4 * (st.n_local - st.ddp_buckets // 4), 1,
                 dp_link, None)
         if layout.zero == 1:  # ZeroRedundancyOptimizer broadcasts every parameter from its owner after the step
             n_tensors = len(_block_tensors(layout)) * layers + 3
-            add("zero1", "broadcast", layout.dpcp, 4 * st.n_local, n_tensors, dp_link, None)
+            add("zero1", "broadcast", layout.dpcp, 4 * st.n_local, n_tensors, dp_link, None, rails=dp_rails)
     if layout.fsdp:
         _fsdp(layout, st.all_units, layers, add)
     if layout.tp > 1:
@@ -156,14 +172,15 @@ def _comm(layout: Layout, hw: HardwareProfile, t_compute: float) -> list[CommIte
         fwd = (layout.cp - 1) * kv * cb
         bwd = (layout.cp - 1) * kv * cb + layout.cp * kv * 4  # K/V again + the fp32 dK/dV shifts
         add("cp", "p2p", layout.cp, (fwd + bwd) * layers * m, (3 * layout.cp - 2) * layers * m,
-            _span_link(layout, layout.cp, layout.tp), "attn")
+            _span_link(layout, layout.cp, layout.tp), "attn", rails=_rails(layout, layout.cp, layout.tp))
     if layout.num_experts and layout.ep > 1:
         n = layout.micro_batch * layout.seq_len // layout.cp
         _, Sk = _moe_slots(layout, n)
         cb = 2 if layout.precision != "fp32" else 4
         nbytes = 4 * Sk * layout.d_model * cb * layers * m  # dispatch + combine, forward and backward
         add("ep", "all_to_all", layout.ep, nbytes, 4 * layers * m,
-            _span_link(layout, layout.ep, layout.cp * layout.tp), None)
+            _span_link(layout, layout.ep, layout.cp * layout.tp), None,
+            rails=_rails(layout, layout.ep, layout.cp * layout.tp))
     return _expose(entries, t_compute, m)
 
 
@@ -177,7 +194,7 @@ def _fsdp(layout: Layout, units: int, layers: int, add) -> None:
     m, cb = layout.n_micro_batches, (2 if layout.precision == "mp" else 4)
     r = layout.dp_replicate if layout.dp_replicate > 1 and layout.dpcp % layout.dp_replicate == 0 else 1
     shard = layout.dpcp // r
-    link = _span_link(layout, shard, layout.tp)
+    link, rails = _span_link(layout, shard, layout.tp), _rails(layout, shard, layout.tp)
     n_units = layers + 1
     if layout.pp > 1:
         gathers, ag_window = (m + 1, "all") if layout.zero == 3 else (1, "bwd_last")
@@ -186,11 +203,11 @@ def _fsdp(layout: Layout, units: int, layers: int, add) -> None:
         gathers, ag_window = (2 if layout.zero == 3 else 1) * m, "all"
         syncs, rs_window = m, "bwd"
     # the shard group's collectives are FSDP's own; HSDP adds the replica all-reduce
-    add("fsdp", "all_gather", shard, units * gathers, n_units * gathers, link, ag_window)
-    add("fsdp", "reduce_scatter", shard, 4 * units // cb * syncs, n_units * syncs, link, rs_window)
+    add("fsdp", "all_gather", shard, units * gathers, n_units * gathers, link, ag_window, rails=rails)
+    add("fsdp", "reduce_scatter", shard, 4 * units // cb * syncs, n_units * syncs, link, rs_window, rails=rails)
     if r > 1:
         add("hsdp", "all_reduce", r, 4 * units // cb // shard * syncs, n_units * syncs,
-            _span_link(layout, r, shard * layout.tp), rs_window)
+            _span_link(layout, r, shard * layout.tp), rs_window, rails=_rails(layout, r, shard * layout.tp))
 
 
 def _expose(entries: list[tuple[dict, str | None, float]], t_compute: float, m: int) -> list[CommItem]:
@@ -232,20 +249,26 @@ def ring_attention_dtype(layout: Layout) -> str:
 
 
 def _stage_costs(layout: Layout, hw: HardwareProfile) -> tuple[float, float, float]:
-    """Busy seconds per step of this rank's dp x cp x tp share of (all blocks, LM head + loss, embedding).
-    Blocks: executed FLOPs at the profile's efficiency, CP's ring attention at the peak of the dtype its kernel
-    runs in (ring_attention_dtype). The last stage's head: its GEMMs plus the loss (log_softmax forward +
-    backward: ~4 fp32 passes over [tokens, V/tp], memory-bound). The first stage's embedding: its dense
-    [V/tp, D] fp32 gradient (zero-fill + index-add per micro-batch, memory-bound)."""
+    """Busy seconds per step of this rank's dp x cp x tp share of (all blocks, LM head + loss, embedding), by
+    estimator/compute.py. Blocks: the Linears' executed FLOPs at their shapes' GEMM efficiency, the causal
+    attention core at the fused kernel's efficiency for its block length (CP's ring at the peak of the dtype its
+    kernel runs in, ring_attention_dtype), the element-wise passes and autocast's per-parameter passes by bytes.
+    The last stage's head: its GEMM plus the loss (log_softmax forward + backward: ~4 fp32 passes over
+    [tokens, V/tp], memory-bound). The first stage's embedding: its dense [V/tp, D] fp32 gradient (zero-fill +
+    index-add per micro-batch, memory-bound)."""
     tokens = layout.global_batch * layout.seq_len / (layout.dp * layout.cp)  # this rank's tokens per step
     peak = hw.peak_flops(layout.dtype)
-    head_tok = 6.0 * layout.vocab_size * layout.d_model
-    block_flops = tokens * (hardware_flops_per_token(layout) - head_tok) / layout.tp
-    attn = tokens * attention_flops_per_token(layout) / layout.tp if layout.cp > 1 else 0.0
-    blocks = (block_flops - attn) / (peak * hw.efficiency) + \
-        attn / (hw.peak_flops(ring_attention_dtype(layout)) * hw.efficiency)
     bw = hw.mem_bw_gbps * 1e9
-    head = tokens * head_tok / layout.tp / (peak * hw.efficiency) + tokens * 16.0 * layout.vocab_size / layout.tp / bw
+    head_tok = 6.0 * layout.vocab_size * layout.d_model
+    attn_tok = attention_flops_per_token(layout)
+    linear = tokens * (hardware_flops_per_token(layout) - head_tok - attn_tok) / layout.tp
+    attn_peak = hw.peak_flops(ring_attention_dtype(layout)) if layout.cp > 1 else peak
+    n_block = sum(d0 * rest for d0, rest, _, _ in _block_tensors(layout))  # one block's local parameters (before FSDP)
+    lin_eff, head_eff, attn_eff, elem_bytes, param_bytes = block_rates(layout, hw)
+    blocks = linear / (peak * lin_eff) + tokens * attn_tok / layout.tp / (attn_peak * attn_eff) + \
+        (tokens * layout.n_layers * elem_bytes + layout.n_micro_batches * layout.n_layers * n_block * param_bytes) / bw
+    head = tokens * head_tok / layout.tp / (peak * head_eff) + \
+        tokens * 16.0 * layout.vocab_size / layout.tp / bw
     embed = layout.n_micro_batches * 8.0 * layout.vocab_size * layout.d_model / layout.tp / bw
     return blocks, head, embed
 
@@ -289,7 +312,8 @@ def _step_time(layout: Layout, hw: HardwareProfile) -> tuple[StepTime, list[Comm
     total = span + exposed + t_opt
     model_flops = tokens_step * flops_per_token(layout)
     mfu = model_flops / (total * layout.world * peak) if total > 0 else 0.0
+    hfu = tokens_step * hardware_flops_per_token(layout) / (total * layout.world * peak) if total > 0 else 0.0
     frac = exposed / total if total > 0 else 0.0
     return StepTime(compute_s=t_compute, bubble_s=bubble, comm_exposed_s=exposed, optimizer_s=t_opt, total_s=total,
-                    tokens_per_s=tokens_step / total if total > 0 else 0.0, mfu=mfu, comm_fraction=frac,
+                    tokens_per_s=tokens_step / total if total > 0 else 0.0, mfu=mfu, hfu=hfu, comm_fraction=frac,
                     comm_bound=frac > 0.5, stage_compute_s=busy if layout.pp > 1 else []), items

@@ -189,11 +189,18 @@ def active_params(cfg: Config | Layout) -> int:
     return layout.n_layers * (attn + ffn) + layout.vocab_size * D
 
 
+# The one MFU convention (docs/ESTIMATION.md "MFU"): model FLOPs count causal attention at half, as the kernels run
+# it and as Megatron-LM's num_floating_point_operations does; recompute is excluded (it is in hardware FLOPs, HFU)
+MFU_CONVENTION = ("MFU: model FLOPs 6 N_active + 6 L H Dh s per token (causal attention counted as half, recompute "
+                  "excluded); HFU: executed FLOPs, recompute included")
+
+
 def flops_per_token(cfg: Config | Layout) -> float:
-    """Model FLOPs per token for forward + backward, PaLM convention (Chowdhery et al. 2022, App. B):
-    6 N_active + 12 L H Dh s, attention counted without the causal half (as torchtitan and PaLM MFU do)."""
+    """Model FLOPs per token for forward + backward, the MFU_CONVENTION: 6 N_active + 6 L H Dh s (Kaplan et al.
+    2020 Table 1 with the causal half of the attention term, as Megatron-LM counts it; PaLM's App. B and
+    torchtitan count the full 12 L H Dh s, which lets long-context MFU exceed what the kernels execute)."""
     layout = cfg if isinstance(cfg, Layout) else layout_of(cfg)
-    return 6.0 * active_params(layout) + 12.0 * layout.n_layers * layout.n_heads * layout.head_dim * layout.seq_len
+    return 6.0 * active_params(layout) + 6.0 * layout.n_layers * layout.n_heads * layout.head_dim * layout.seq_len
 
 
 def hardware_flops_per_token(cfg: Config | Layout) -> float:

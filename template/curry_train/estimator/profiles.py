@@ -6,22 +6,34 @@ A GPU name (`gpu`) sets BOTH the memory budget and the speed (issue: "fits on A1
 40 GiB, and an 80 GiB budget alone must not silently mean H100 speed). `resolve_gpu` turns (gpu name |
 gpu_memory_gib) into a profile and a sentence saying which profile it used and why; every estimate carries it.
 
-Numbers are vendor datasheet peaks (dense, no sparsity); a probe result (`curry-train probe --measure --json`,
-curry_train.measure.hardware.HardwareReport) overrides them through `from_probe`.
+Numbers are vendor datasheet peaks (dense, no sparsity; each row's source in estimator/datasheets.py); every
+spelling of a name goes through the one resolver, `get_profile` (docs/ESTIMATION.md, "GPU profiles"); a probe
+result (`curry-train probe --measure --json`, curry_train.measure.hardware.HardwareReport) overrides them through
+`from_probe`.
   memory_gib        the device's total memory as nvidia-smi / rocm-smi reports it, in GiB (not marketing GB).
   intra_node_gbps   NCCL bus bandwidth of an all-reduce inside a node (NVIDIA/nccl-tests doc/PERFORMANCE.md
                     defines busbw); about 75-80% of the per-direction NVLink bandwidth on DGX/HGX systems.
   inter_node_gbps   bus bandwidth per GPU across nodes: one NIC per GPU on DGX/HGX (HDR 200 Gb/s = 25 GB/s,
                     NDR 400 Gb/s = 50 GB/s per direction), about 90% of it achieved.
-`efficiency` is the fraction of peak a well-shaped GEMM-dominated step reaches (MFU 0.3-0.5 is typical:
-torchtitan reports 33-39% for Llama 3 8B on H100, Megatron-LM up to 47%; Narayanan et al. 2021 44-52% on A100).
+  efficiency        the fraction of the dense peak the best-shaped bf16 GEMM reaches: the maximum achievable matmul
+                    FLOP/s (MAMF) of stas00/ml-engineering compute/accelerator/README.md, "Maximum Achievable Matmul
+                    FLOPS comparison table" (A100 SXM 86.9%, H100 SXM 80.3%, GH200 83.6%, MI300X 60.1%, B200 77.6%);
+                    0.80 where no measurement is published. estimator/compute.py lowers it by each GEMM's shape.
+  attention_efficiency  the fraction of peak a fused causal attention (fwd + bwd) reaches at long sequences: 0.60
+                    for FlashAttention-2 on Ampere (Dao 2023, "FlashAttention-2", §4: 50-73% of peak forward, less
+                    backward), 0.35 on Hopper and later, where FlashAttention-2 (torch's SDPA flash backend) does not
+                    use the new tensor-core instructions (Shah et al. 2024, "FlashAttention-3", §1: "only 35%
+                    utilization on H100"); the generic default is the Hopper figure.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from pydantic import BaseModel, Field
+
+from curry_train.estimator.datasheets import DATASHEETS
 
 
 class HardwareProfile(BaseModel):
@@ -37,7 +49,10 @@ class HardwareProfile(BaseModel):
     alpha_intra_us: float = Field(description="Per-hop latency inside a node, microseconds.")
     alpha_inter_us: float = Field(description="Per-hop latency across nodes, microseconds.")
     gpus_per_node: int = Field(8, description="Accelerators per node of the usual server (DGX/HGX/OAM: 8).")
-    efficiency: float = Field(0.45, description="Achieved fraction of peak FLOP/s for the model's GEMMs.")
+    efficiency: float = Field(0.80, description="Fraction of peak the best-shaped GEMM reaches (MAMF); "
+                              "estimator/compute.py lowers it by each GEMM's shape.")
+    attention_efficiency: float = Field(0.35, description="Fraction of peak of fused causal attention (fwd + bwd) "
+                                        "at long sequences (FlashAttention-2 class kernel).")
     source: str = Field("datasheet", description="datasheet, or probe when measured numbers replaced it.")
     reference: str = Field("", description="Where the datasheet numbers come from.")
 
@@ -46,74 +61,141 @@ class HardwareProfile(BaseModel):
         return (self.peak_tflops_bf16 if dtype == "bfloat16" else self.peak_tflops_fp32) * 1e12
 
 
-_A100 = ("NVIDIA A100 datasheet (nvidia-a100-datasheet-us-nvidia-1758950-r4): 312 TFLOP/s bf16 dense, 19.5 fp32, "
-         "1,555 / 2,039 GB/s HBM2e (40 / 80 GB SXM4), NVLink3 600 GB/s bidirectional; DGX A100: 8 GPUs, "
-         "8 x 200 Gb/s HDR InfiniBand")
-_H100 = ("NVIDIA H100 Tensor Core GPU datasheet (SXM5): 989 TFLOP/s bf16 dense, 67 fp32, 3.35 TB/s HBM3, NVLink4 "
-         "900 GB/s bidirectional; DGX H100: 8 GPUs, 8 x 400 Gb/s NDR (ConnectX-7)")
-_H200 = ("NVIDIA H200 datasheet (SXM): H100 compute (989 TFLOP/s bf16 dense, 67 fp32), 141 GB HBM3e at 4.8 TB/s, "
-         "NVLink4 900 GB/s; HGX H200: 8 GPUs, 400 Gb/s per GPU")
-_B200 = ("NVIDIA HGX B200 datasheet: 2.25 PFLOP/s bf16 dense per GPU (4.5 sparse), 75 TFLOP/s fp32, 180 GB HBM3e at "
-         "7.7-8 TB/s, NVLink5 1.8 TB/s bidirectional; DGX B200: 8 GPUs, 8 x 400 Gb/s ConnectX-7")
-_MI300X = ("AMD Instinct MI300X data sheet: 1,307.4 TFLOP/s bf16 dense, 163.4 fp32 (vector), 192 GB HBM3 at "
-           "5.3 TB/s, 7 Infinity Fabric links x 64 GB/s per direction (fully connected 8-GPU OAM platform); "
-           "typical clusters 400 Gb/s per GPU (e.g. Azure ND MI300X v5: 8 x 400 Gb/s NDR)")
-_L40S = ("NVIDIA L40S datasheet: 362 TFLOP/s bf16 dense (733 sparse), 91.6 fp32, 48 GB GDDR6 at 864 GB/s, no "
-         "NVLink (PCIe Gen4 x16: 32 GB/s per direction); OVX/PCIe servers: 4-8 GPUs, ~100 Gb/s per GPU assumed")
-
+# PCIe-only cards: collectives inside the box cross PCIe (busbw ~20 GB/s on Gen4, ~40 on Gen5, as L40S); a
+# GeForce card has no peer-to-peer, so its all-reduce bounces through host memory (~12 GB/s: an ASSUMPTION).
+# Workstations are assumed to have 25 GbE between boxes (~3 GB/s), cloud PCIe servers 100 Gb/s per node share.
+# Each row's `reference` is its datasheet (estimator/datasheets.py).
 PROFILES: dict[str, HardwareProfile] = {
-    p.name: p
+    p.name: p.model_copy(update={"reference": DATASHEETS[p.name]})
     for p in (
+        # 24564 MiB. GeForce: bf16/fp16 tensor with fp32 accumulate runs at half the fp16-accumulate rate
+        HardwareProfile(name="RTX4090", memory_gib=23.99, peak_tflops_bf16=165.2, peak_tflops_fp32=82.6,
+                        mem_bw_gbps=1008, intra_node_gbps=12, inter_node_gbps=3, alpha_intra_us=10,
+                        alpha_inter_us=30, gpus_per_node=4),
+        HardwareProfile(name="RTX3090", memory_gib=24.0, peak_tflops_bf16=71, peak_tflops_fp32=35.6,
+                        mem_bw_gbps=936, intra_node_gbps=20, inter_node_gbps=3, alpha_intra_us=10,
+                        alpha_inter_us=30, gpus_per_node=4),
+        HardwareProfile(name="A6000", memory_gib=47.99, peak_tflops_bf16=154.8, peak_tflops_fp32=38.7,
+                        mem_bw_gbps=768, intra_node_gbps=20, inter_node_gbps=3, alpha_intra_us=10,
+                        alpha_inter_us=30),
+        # 23034 MiB
+        HardwareProfile(name="L4", memory_gib=22.49, peak_tflops_bf16=121, peak_tflops_fp32=30.3, mem_bw_gbps=300,
+                        intra_node_gbps=20, inter_node_gbps=11, alpha_intra_us=10, alpha_inter_us=20),
+        # 23028 MiB
+        HardwareProfile(name="A10", memory_gib=22.49, peak_tflops_bf16=125, peak_tflops_fp32=31.2, mem_bw_gbps=600,
+                        intra_node_gbps=20, inter_node_gbps=11, alpha_intra_us=10, alpha_inter_us=20,
+                        gpus_per_node=4),
+        # 23028 MiB. AWS publishes no datasheet: the A10G trades tensor rate for CUDA-core rate against the A10
+        HardwareProfile(name="A10G", memory_gib=22.49, peak_tflops_bf16=70, peak_tflops_fp32=31.2, mem_bw_gbps=600,
+                        intra_node_gbps=20, inter_node_gbps=11, alpha_intra_us=10, alpha_inter_us=20),
+        # 16160 / 32510 MiB. No bf16 tensor cores (NO_BF16): the bf16 field holds the fp16 tensor peak
+        HardwareProfile(name="V100-16", memory_gib=15.78, peak_tflops_bf16=125, peak_tflops_fp32=15.7,
+                        mem_bw_gbps=900, intra_node_gbps=130, inter_node_gbps=5.6, alpha_intra_us=8,
+                        alpha_inter_us=15),
+        HardwareProfile(name="V100-32", memory_gib=31.75, peak_tflops_bf16=125, peak_tflops_fp32=15.7,
+                        mem_bw_gbps=900, intra_node_gbps=130, inter_node_gbps=5.6, alpha_intra_us=8,
+                        alpha_inter_us=15),
+        # 40960 / 81920 MiB; PCIe boards, NVLink bridges join pairs only. The GEMM and attention ceilings are the
+        # SXM part's (same GA100 die; an ASSUMPTION: no PCIe MAMF is published)
+        HardwareProfile(name="A100-40-PCIe", memory_gib=40.0, peak_tflops_bf16=312, peak_tflops_fp32=19.5,
+                        mem_bw_gbps=1555, intra_node_gbps=20, inter_node_gbps=11, alpha_intra_us=10,
+                        alpha_inter_us=20, efficiency=0.869,
+                        attention_efficiency=0.60),
+        HardwareProfile(name="A100-80-PCIe", memory_gib=80.0, peak_tflops_bf16=312, peak_tflops_fp32=19.5,
+                        mem_bw_gbps=1935, intra_node_gbps=20, inter_node_gbps=11, alpha_intra_us=10,
+                        alpha_inter_us=20, efficiency=0.869,
+                        attention_efficiency=0.60),
+        # 81559 MiB; PCIe Gen5. H100 PCIe, NVL and H800 take the H100 SXM's GEMM ceiling (same GH100 die; an
+        # ASSUMPTION: no MAMF is published for them)
+        HardwareProfile(name="H100-PCIe", memory_gib=79.6, peak_tflops_bf16=756, peak_tflops_fp32=51,
+                        mem_bw_gbps=2000, intra_node_gbps=40, inter_node_gbps=23, alpha_intra_us=10,
+                        alpha_inter_us=15, efficiency=0.803),
+        # 95830 MiB
+        HardwareProfile(name="H100-NVL", memory_gib=93.58, peak_tflops_bf16=835, peak_tflops_fp32=60,
+                        mem_bw_gbps=3900, intra_node_gbps=40, inter_node_gbps=23, alpha_intra_us=10,
+                        alpha_inter_us=15, efficiency=0.803),
+        # 81559 MiB; H100 compute with NVLink cut to 400 GB/s bidirectional (busbw scaled 360 x 400/900)
+        HardwareProfile(name="H800", memory_gib=79.6, peak_tflops_bf16=989, peak_tflops_fp32=67,
+                        mem_bw_gbps=3350, intra_node_gbps=160, inter_node_gbps=45, alpha_intra_us=6,
+                        alpha_inter_us=12, efficiency=0.803),
         # 40960 MiB; the 40 GB SXM4 part runs HBM2 at 1,555 GB/s
         HardwareProfile(name="A100-40", memory_gib=40.0, peak_tflops_bf16=312, peak_tflops_fp32=19.5,
                         mem_bw_gbps=1555, intra_node_gbps=230, inter_node_gbps=23, alpha_intra_us=8,
-                        alpha_inter_us=15, reference=_A100),
+                        alpha_inter_us=15, efficiency=0.869, attention_efficiency=0.60),
         # 81920 MiB
         HardwareProfile(name="A100-80", memory_gib=80.0, peak_tflops_bf16=312, peak_tflops_fp32=19.5,
                         mem_bw_gbps=2039, intra_node_gbps=230, inter_node_gbps=23, alpha_intra_us=8,
-                        alpha_inter_us=15, reference=_A100),
+                        alpha_inter_us=15, efficiency=0.869, attention_efficiency=0.60),
         # 81559 MiB (H100 80GB HBM3, SXM5)
         HardwareProfile(name="H100", memory_gib=79.6, peak_tflops_bf16=989, peak_tflops_fp32=67,
                         mem_bw_gbps=3350, intra_node_gbps=360, inter_node_gbps=45, alpha_intra_us=6,
-                        alpha_inter_us=12, reference=_H100),
+                        alpha_inter_us=12, efficiency=0.803),
         # 143771 MiB
         HardwareProfile(name="H200", memory_gib=140.4, peak_tflops_bf16=989, peak_tflops_fp32=67,
                         mem_bw_gbps=4800, intra_node_gbps=360, inter_node_gbps=45, alpha_intra_us=6,
-                        alpha_inter_us=12, reference=_H200),
+                        alpha_inter_us=12, efficiency=0.803),
         # 183359 MiB; NVLink5 doubles NVLink4's bandwidth
         HardwareProfile(name="B200", memory_gib=179.1, peak_tflops_bf16=2250, peak_tflops_fp32=75,
                         mem_bw_gbps=8000, intra_node_gbps=720, inter_node_gbps=45, alpha_intra_us=6,
-                        alpha_inter_us=12, reference=_B200),
-        # 205822885888 B (rocm-smi); RCCL all-reduce busbw inside the 8-GPU platform ~300 GB/s. efficiency 0.35 is
-        # an ASSUMPTION: public single-GPU BF16 training comparisons show MI300X reaching a lower share of its
-        # peak than H100/H200 (slower than H200 on an 8B model despite 1.32x the peak); a probe overrides it
+                        alpha_inter_us=12, efficiency=0.776),
+        # the datasheet's 186 GB (NVL72: 13.4 TB over 72 GPUs) in GiB, not a measured size; one NVLink domain of 72
+        HardwareProfile(name="GB200", memory_gib=173.2, peak_tflops_bf16=2500, peak_tflops_fp32=80,
+                        mem_bw_gbps=8000, intra_node_gbps=720, inter_node_gbps=90, alpha_intra_us=6,
+                        alpha_inter_us=12, gpus_per_node=72),
+        # one Graphics Compute Die (GCD): torch sees each MI250X as two 64 GB devices, so the profile is per GCD;
+        # efficiency: MI300X's MAMF share (60.1%), an ASSUMPTION (no MI250X MAMF is published)
+        HardwareProfile(name="MI250X", memory_gib=64.0, peak_tflops_bf16=191.5, peak_tflops_fp32=23.95,
+                        mem_bw_gbps=1638, intra_node_gbps=50, inter_node_gbps=11, alpha_intra_us=8,
+                        alpha_inter_us=15, efficiency=0.601),
+        # 205822885888 B (rocm-smi); RCCL all-reduce busbw inside the 8-GPU platform ~300 GB/s. efficiency: its
+        # MAMF, 60.1% of peak (ROCm 6.2), far below H100's share; a probe overrides it
         HardwareProfile(name="MI300X", memory_gib=191.7, peak_tflops_bf16=1307.4, peak_tflops_fp32=163.4,
                         mem_bw_gbps=5300, intra_node_gbps=300, inter_node_gbps=45, alpha_intra_us=8,
-                        alpha_inter_us=15, efficiency=0.35, reference=_MI300X),
+                        alpha_inter_us=15, efficiency=0.601),
         # 46068 MiB; collectives inside the node go over PCIe (~20 GB/s busbw)
         HardwareProfile(name="L40S", memory_gib=45.0, peak_tflops_bf16=362, peak_tflops_fp32=91.6,
                         mem_bw_gbps=864, intra_node_gbps=20, inter_node_gbps=11, alpha_intra_us=10,
-                        alpha_inter_us=20, reference=_L40S),
+                        alpha_inter_us=20),
+        # unified memory shared with the CPU: Metal's recommendedMaxWorkingSetSize is about 75% of it (144 of 192
+        # GB); no tensor cores, fp16/bf16 at the fp32 rate (an ASSUMPTION from 76 cores x 128 ALUs x 2 x 1.4 GHz)
+        HardwareProfile(name="M2-Ultra", memory_gib=134.1, peak_tflops_bf16=27.2, peak_tflops_fp32=27.2,
+                        mem_bw_gbps=800, intra_node_gbps=2, inter_node_gbps=1, alpha_intra_us=50,
+                        alpha_inter_us=100, gpus_per_node=1, efficiency=0.3),
         HardwareProfile(name="CPU", memory_gib=16, peak_tflops_bf16=0.2, peak_tflops_fp32=0.2, mem_bw_gbps=20,
                         intra_node_gbps=2, inter_node_gbps=1, alpha_intra_us=50, alpha_inter_us=100,
-                        efficiency=0.5, reference="a gloo-over-loopback development box: exercises the code path "
-                        "only; its numbers are not an accelerator's"),
+                        efficiency=0.5),
     )
 }
 
 GPU_NAMES: tuple[str, ...] = tuple(PROFILES)
 
-_ALIASES = {"a100": "A100-80", "a100-40gb": "A100-40", "a100-80gb": "A100-80", "a100-sxm4-40gb": "A100-40",
-            "a100-sxm4-80gb": "A100-80", "h100": "H100", "h100-80gb": "H100", "h100-sxm": "H100", "h200": "H200",
-            "b200": "B200", "mi300x": "MI300X", "mi300": "MI300X", "l40s": "L40S", "cpu": "CPU"}
+# One resolver for every spelling a user or a driver gives (get_profile, from_device_name): lower case, vendor
+# words and punctuation dropped, "80GB" read as "80". Aliases are written in that normal form.
+_VENDOR = re.compile(r"nvidia|geforce|tesla|quadro|amd|instinct|apple")
+_ALIASES = {"4090": "RTX4090", "3090": "RTX3090", "rtxa6000": "A6000", "a100": "A100-80", "a100sxm440": "A100-40",
+            "a100sxm480": "A100-80", "a100pcie40": "A100-40-PCIe", "a100pcie80": "A100-80-PCIe", "h10080": "H100",
+            "h100sxm": "H100", "h100sxm5": "H100", "h10080hbm3": "H100", "h100sxm580": "H100", "h100pcie80":
+            "H100-PCIe", "h100nvl94": "H100-NVL", "h800sxm": "H800", "mi300": "MI300X", "mi250": "MI250X",
+            "v100sxm216": "V100-16", "v100sxm232": "V100-32"}
+# Names that mean more than one profile: refused with the choices rather than guessed.
+_AMBIGUOUS = {"v100": ("V100-16", "V100-32"), "a100pcie": ("A100-40-PCIe", "A100-80-PCIe")}
+NO_BF16 = frozenset({"V100-16", "V100-32"})  # Volta: fp16 tensor cores only (the bf16 field holds the fp16 peak)
+
+
+def _norm(name: str) -> str:
+    return re.sub(r"(\d)gb", r"\1", re.sub(r"[^a-z0-9]", "", _VENDOR.sub("", str(name).lower())))
+
+
+_BY_NORM = {**{_norm(n): n for n in PROFILES}, **_ALIASES}
 
 
 class UnknownGpu(KeyError, ValueError):
     """A GPU name that names no profile. A KeyError (a lookup) and a ValueError (bad input) both catch it."""
 
-    def __init__(self, name: str, field: str = "gpu"):
+    def __init__(self, name: str, field: str = "gpu", choices: tuple[str, ...] = ()):
         self.name, self.field = name, field
-        super().__init__(f"{field}: unknown GPU {name!r}; valid names: {', '.join(GPU_NAMES)}. Fix: pass one of "
+        what = f"ambiguous GPU {name!r} (one of {', '.join(choices)})" if choices else f"unknown GPU {name!r}"
+        super().__init__(f"{field}: {what}; valid names: {', '.join(GPU_NAMES)}. Fix: pass one of "
                          f"them, or leave {field} out and give gpu_memory_gib (the speed is then assumed and said)")
 
     def __str__(self) -> str:  # KeyError would quote the message
@@ -121,18 +203,23 @@ class UnknownGpu(KeyError, ValueError):
 
 
 def get_profile(name: str, field: str = "gpu") -> HardwareProfile:
-    """A profile by name (A100-40, A100-80, H100, H200, B200, MI300X, L40S, CPU; case-insensitive, a few
-    aliases). An unknown name raises UnknownGpu naming `field` and listing the valid names."""
-    key = str(name).strip()
-    if key in PROFILES:
-        return PROFILES[key]
-    low = key.lower()
-    for cand, prof in PROFILES.items():
-        if cand.lower() == low:
-            return prof
-    if low in _ALIASES:
-        return PROFILES[_ALIASES[low]]
-    raise UnknownGpu(name, field)
+    """A profile by name (GPU_NAMES) in any common spelling: case, spaces, dashes, vendor words and a "GB"
+    suffix do not matter ('rtx4090', 'RTX 4090', '4090', 'a100-80gb', 'NVIDIA H100 SXM5'). An unknown or
+    ambiguous name ('V100': 16 or 32 GB) raises UnknownGpu naming `field` and listing the valid names."""
+    key = _norm(name)
+    if key in _BY_NORM:
+        return PROFILES[_BY_NORM[key]]
+    raise UnknownGpu(name, field, _AMBIGUOUS.get(key, ()))
+
+
+def bf16_note(hw: HardwareProfile, dtype: str) -> str:
+    """The warning a bf16 config owes on a GPU without bf16 tensor cores (V100); empty otherwise."""
+    if dtype != "bfloat16" or hw.name not in NO_BF16:
+        return ""
+    return (f"{hw.name} has no bf16 tensor cores (Volta: fp16 only): the step time uses its fp16 peak "
+            f"({hw.peak_tflops_bf16:g} TFLOP/s), but bf16 is unsupported there (torch.cuda.is_bf16_supported() is "
+            "False; bf16 kernels that run use no tensor cores); fp16 with loss scaling, which this template does "
+            "not ship, is what this GPU trains in")
 
 
 def guess_profile(device: str, gpu_memory_gib: float) -> HardwareProfile:
@@ -213,24 +300,32 @@ def gpu_budget(gpu: str | None, gpu_memory_gib: float | None = None,
     return hardware or prof.name, mem
 
 
+# Driver names (NVML / torch.cuda.get_device_name) in normal form, most specific first: the first needle found
+# names the profile ('NVIDIA A100-SXM4-40GB', 'Tesla V100-SXM2-32GB', 'AMD Instinct MI250X/MI250').
+_DEVICE_NEEDLES = (("gb200", "GB200"), ("b200", "B200"), ("h200", "H200"), ("h800", "H800"), ("h100nvl", "H100-NVL"),
+                   ("h100pcie", "H100-PCIe"), ("h100", "H100"), ("mi300", "MI300X"), ("mi250", "MI250X"),
+                   ("l40s", "L40S"), ("rtx4090", "RTX4090"), ("rtx3090", "RTX3090"), ("a6000", "A6000"),
+                   ("a10g", "A10G"), ("l4", "L4"))
+
+
 def from_device_name(device_name: str) -> HardwareProfile | None:
     """Match an NVML / torch device name ('NVIDIA H100 80GB HBM3') to a profile; None when unknown."""
-    low = device_name.lower()
-    if "h200" in low:
-        return PROFILES["H200"]
-    if "h100" in low or "h800" in low:
-        return PROFILES["H100"]
-    if "b200" in low:
-        return PROFILES["B200"]
-    if "mi300x" in low or "mi300" in low:
-        return PROFILES["MI300X"]
-    if "l40s" in low:
-        return PROFILES["L40S"]
-    if "a100" in low or "a800" in low:
-        return PROFILES["A100-40"] if "40" in low else PROFILES["A100-80"]
+    low = _norm(device_name)
     if low in ("", "cpu"):
         return PROFILES["CPU"]
-    return None
+    if low in _BY_NORM:
+        return PROFILES[_BY_NORM[low]]
+    for needle, name in _DEVICE_NEEDLES:
+        if needle in low:
+            return PROFILES[name]
+    if "a100" in low or "a800" in low:
+        size = "40" if "40" in low.replace("a100", "").replace("a800", "") else "80"
+        return PROFILES[f"A100-{size}" + ("-PCIe" if "pcie" in low else "")]
+    if "v100" in low:
+        return PROFILES["V100-32" if "32" in low.replace("v100", "") else "V100-16"]
+    return PROFILES["A10"] if "a10" in low else None
+
+
 def from_probe(base: HardwareProfile, probe: dict[str, Any] | None) -> HardwareProfile:
     """Override `base` with what a probe measured. Accepts a HardwareReport dict (gpus, measured.matmul_tflops,
     measured.allreduce_busbw_gbps) or flat keys named like HardwareProfile's fields."""

@@ -13,6 +13,7 @@ Writers of the same name are serialised by an advisory lock, so two concurrent u
 from __future__ import annotations
 
 import contextlib
+import copy
 import fcntl
 import time
 from collections.abc import Iterator
@@ -121,11 +122,16 @@ def _flat_existing(path: Path) -> dict[str, Any]:
 
 
 def update_config(name: str, changes: dict[str, Any] | None, base: str | None = None, *,
-                  root: str | Path | None = None) -> ConfigUpdate:
-    """Validate `base` (or the current `name`) + `changes`, then atomically write configs/local/<name>.yaml."""
+                  root: str | Path | None = None, base_raw: dict[str, Any] | None = None) -> ConfigUpdate:
+    """Validate `base` (or the current `name`) + `changes`, then atomically write configs/local/<name>.yaml.
+
+    `base_raw` is a base that is no file (a config imported from elsewhere, store/hf_import.py): the changes
+    apply to it, and `base` is then only the label the header and the result name it by."""
     target = written_config_path(name, root)
     name = target.stem
-    if base is not None:
+    if base_raw is not None:
+        base_path, base = None, base or "<given>"
+    elif base is not None:
         base_path = config_path(base, root)
         if not base_path.is_file():
             raise _missing(base, root)
@@ -136,12 +142,20 @@ def update_config(name: str, changes: dict[str, Any] | None, base: str | None = 
         raise FileNotFoundError(f"no config {name!r} to update; pass base (one of: {', '.join(available(root))}) "
                                 "to create it from an existing config")
     dotted = _normalise(changes)
-    from_dict(load_yaml(base_path), dotted)  # ConfigError here: nothing written, not even the lock file
+
+    def read_base() -> dict[str, Any]:
+        return copy.deepcopy(base_raw) if base_path is None else load_yaml(base_path)
+
+    from_dict(read_base(), dotted)  # ConfigError here: nothing written, not even the lock file
     with _locked(name, root):
         _remove_stale_temps(target)
-        new_cfg = from_dict(load_yaml(base_path), dotted)  # again under the lock: the base may have changed
+        new_cfg = from_dict(read_base(), dotted)  # again under the lock: the base may have changed
         created = not target.is_file()
-        old = _flat_existing(target if not created else base_path)
+        if not created:
+            old = _flat_existing(target)
+        else:
+            old = _flat_existing(base_path) if base_path is not None else \
+                flatten(from_dict(read_base(), validate=False).to_dict())
         new = new_cfg.to_dict()
         flat = flatten(new)
         diff = [ConfigChange(key=k, old=old.get(k), new=flat.get(k))

@@ -1,0 +1,208 @@
+"""Per-rank compute time for the estimator: GEMMs by their TP-local shape, fused attention by sequence block, and
+the memory-bound element-wise passes by the bytes they move (docs/ESTIMATION.md "Compute time").
+
+    python -c "from curry_train.estimator.compute import gemm_efficiency as g; print(g(2048, 4096, 4096, 312e12,
+               2.039e12, 0.869, 2))"
+
+Every constant comes from the hardware profile (estimator/profiles.py) or names its source here; nothing is fitted
+per run, and one constant (SUSTAINED_CLOCK) is calibrated once for every GPU. Three terms, for one rank's share of a
+step:
+  GEMMs      each Linear's FLOPs at gemm_efficiency(M, K, N): the profile's best-shape ceiling (`efficiency`, the
+             maximum achievable matmul FLOP/s, MAMF) at the sustained clock, lowered by the operand traffic the
+             kernel does not hide: t = 2MKN / (ceiling x SUSTAINED_CLOCK x peak) + bytes(MK + KN + MN) / mem_bw
+             (the additive roofline: a GEMM whose arithmetic intensity nears the ridge point peak / mem_bw is
+             slowed by its loads; NVIDIA "Matrix Multiplication Background User's Guide", arithmetic intensity).
+             M is the micro-batch's tokens, K and N the TP-local widths, so a TP-split layer and a small
+             micro-batch run below a large GEMM.
+  attention  the causal core's FLOPs at attention_efficiency x SUSTAINED_CLOCK x s_blk / (s_blk + ATTN_HALF_BLOCK):
+             a fused kernel (FlashAttention-2, Dao 2023 Fig. 4) reaches its plateau from a few thousand keys per
+             block and about half of it near 512; s_blk is the keys one kernel call sees (seq_len / cp under CP).
+  element    norms, RoPE, casts, SiLU x gate, residual adds (the template's eager kernels, one at a time) and the
+             weight casts / gradient accumulation of autocast, as bytes read + written over mem_bw
+             (`elementwise_bytes`, `param_pass_bytes`): a backward moves about twice a forward's bytes, full and
+             selective recompute replay the forward's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+from curry_train.estimator.layout import Layout
+from curry_train.estimator.profiles import HardwareProfile
+
+# A fused attention kernel at s_blk keys per block runs at s_blk / (s_blk + 512) of its plateau (FlashAttention-2,
+# Dao 2023, Fig. 4, A100 causal fwd+bwd head dim 128: about half the long-sequence throughput at 512, ~90% at 4k)
+ATTN_HALF_BLOCK = 512
+# Compute-bound kernels in a sustained multi-GPU run settle at a power-limited clock, below the short benchmark
+# their ceilings come from (MAMF: 100 iterations after 50 warm-up): "measured throughput fell 15-30% below the
+# roofline estimate for a clearly compute-bound kernel" (diomgis.com, "Power, Thermals, and Clock Throttling").
+# 0.75 is the value inside that range on which the 18 published runs of benchmarks/published_throughput.py (A100 and
+# H100, 8 to 3,072 GPUs) agree within 15%: the time model's one calibrated constant, the same for every GPU.
+SUSTAINED_CLOCK = 0.75
+BACKWARD_BYTES = 2.0  # an element-wise backward reads the saved input and the output gradient, writes one gradient
+
+
+def gemm_efficiency(m: float, k: float, n: float, peak: float, mem_bw: float, ceiling: float, nbytes: int) -> float:
+    """Fraction of `peak` an [m, k] x [k, n] GEMM reaches: the ceiling, lowered by its operand traffic (see top)."""
+    flops = 2.0 * m * k * n
+    if flops <= 0:
+        return ceiling
+    t = flops / (ceiling * SUSTAINED_CLOCK * peak) + nbytes * (m * k + k * n + m * n) / mem_bw
+    return flops / (t * peak)
+
+
+def _linears(layout: Layout) -> list[tuple[float, float, float]]:
+    """(M tokens, K, N) of one block's Linears on one rank: TP-local widths (colwise splits N, rowwise K); a local
+    MoE expert sees top_k / num_experts of the tokens of the ep ranks its all-to-all gathers (uniform routing)."""
+    M = float(layout.micro_batch_tokens)
+    D, t, Dh = layout.d_model, layout.tp, layout.head_dim
+    q, kv = layout.n_heads * Dh / t, layout.n_kv_heads * Dh / t
+    out = [(M, D, q), (M, D, kv), (M, D, kv), (M, q, D)]
+    if layout.num_experts:
+        Me = max(1.0, M * layout.top_k * layout.ep / layout.num_experts)
+        F = layout.d_ff
+        out += [(Me, D, F)] * 2 + [(Me, F, D)]
+    else:
+        F = layout.d_ff / t
+        out += [(M, D, F)] * 2 + [(M, F, D)]
+    return out
+
+
+def linear_efficiency(layout: Layout, hw: HardwareProfile) -> float:
+    """The block Linears' FLOP-weighted efficiency (their time sums: the harmonic mean of gemm_efficiency)."""
+    peak, bw = hw.peak_flops(layout.dtype), hw.mem_bw_gbps * 1e9
+    nbytes = 4 if layout.dtype == "float32" else 2
+    flops = time = 0.0
+    for m, k, n in _linears(layout):
+        f = 2.0 * m * k * n
+        flops += f
+        time += f / gemm_efficiency(m, k, n, peak, bw, hw.efficiency, nbytes)
+    return flops / time if time > 0 else hw.efficiency
+
+
+def head_efficiency(layout: Layout, hw: HardwareProfile) -> float:
+    """The LM head's GEMM [tokens, D] x [D, V/tp] (chunked by the loss: the chunks are rows of M)."""
+    nbytes = 4 if layout.dtype == "float32" else 2
+    return gemm_efficiency(layout.micro_batch_tokens, layout.d_model, layout.vocab_size / layout.tp,
+                           hw.peak_flops(layout.dtype), hw.mem_bw_gbps * 1e9, hw.efficiency, nbytes)
+
+
+def attention_efficiency(layout: Layout, hw: HardwareProfile) -> float:
+    """Fraction of peak the fused causal attention reaches at this layout's block length (see top)."""
+    s_blk = layout.seq_len / layout.cp
+    return SUSTAINED_CLOCK * hw.attention_efficiency * s_blk / (s_blk + ATTN_HALF_BLOCK)
+
+
+def _norm_bytes(b_s: int) -> int:
+    """model/gpt.py RMSNorm, eager, bytes per element: x.float() (a copy unless the stream is fp32), pow, mean,
+    the rsqrt multiply (fp32 reads and writes), type_as back to the stream dtype, the weight multiply."""
+    upcast = 0 if b_s == 4 else (b_s + 4) * 2  # x.float() and type_as(x)
+    return upcast + 8 + 4 + 8 + 2 * b_s
+
+
+def _rope_bytes(b_c: int) -> int:
+    """model/gpt.py apply_rope, eager, bytes per element of q or k: x.float(), four multiplies and two adds over the
+    halves, the cat, type_as back (fp32 intermediates)."""
+    return (b_c + 4) + 4 * 8 // 2 + 2 * 12 // 2 + 8 + (4 + b_c)
+
+
+def elementwise_bytes(layout: Layout) -> float:
+    """Bytes one rank's element-wise kernels move per token per layer, forward, backward and replays included: the
+    template's eager ops one kernel at a time (model/gpt.py), b_s the residual stream's bytes (4 under autocast
+    and fp32, 2 under FSDP's bf16 policy), b_c the compute dtype's, widths TP-local, norms and residual adds on
+    1/tp of the tokens under SP. Forward per token: 2 RMSNorms (_norm_bytes x D); RoPE on q and k (_rope_bytes);
+    the GQA repeat of k and v (read kv, write q, when G < H); the transpose copy before wo (2 b_c q); SiLU and the
+    gate product (5 b_c F); 2 residual adds (2 b_s + b_c) D; under autocast the casts of the 5 input projections'
+    inputs 5 (b_s + b_c) D. Backward BACKWARD_BYTES x the forward; full and selective recompute replay the
+    forward (selective reruns exactly these ops, parallel/recompute.py)."""
+    b_c = 4 if layout.dtype == "float32" else 2
+    b_s = 4 if layout.precision in ("fp32", "autocast") else 2
+    t = layout.tp
+    D, q, kv = layout.d_model, layout.n_heads * layout.head_dim / t, layout.n_kv_heads * layout.head_dim / t
+    F = layout.d_ff * layout.top_k if layout.num_experts else layout.d_ff / t
+    seq_share = 1 / t if layout.sp else 1.0
+    fwd = (2 * _norm_bytes(b_s) + 2 * (2 * b_s + b_c)) * D * seq_share + _rope_bytes(b_c) * (q + kv) + \
+        2 * b_c * q + 5 * b_c * F
+    if layout.precision == "autocast":
+        fwd += 5 * (b_s + b_c) * D
+    if layout.n_kv_heads < layout.n_heads:
+        fwd += b_c * (2 * kv + 2 * q)
+    replays = 1 if layout.recompute in ("full", "selective") else 0
+    return fwd * (1 + BACKWARD_BYTES + replays)
+
+
+def param_pass_bytes(layout: Layout) -> float:
+    """Bytes per local parameter per micro-batch outside the GEMMs: autocast casts each fp32 weight to bf16 in
+    every forward (read 4, write 2; a full recompute casts again) and turns the bf16 weight gradient into fp32 and
+    accumulates it into .grad (read 2, write 4, read 4 + 4, write 4). FSDP's mixed precision hands the GEMMs
+    gathered bf16 weights and reduce-scatters the bf16 gradient (its own collectives): only the gradient write."""
+    if layout.precision == "autocast":
+        return 6.0 * (2 if layout.recompute == "full" else 1) + 18.0
+    return 2.0 if layout.precision == "mp" else 8.0
+
+
+def block_rates(layout: Layout, hw: HardwareProfile) -> tuple[float, float, float, float, float]:
+    """(linear, head and attention efficiency, element-wise bytes per token per layer, bytes per parameter per
+    micro-batch) of a layout on a profile, cached on the fields they read: the planner asks for thousands of
+    candidates that share a handful of shapes."""
+    return _rates(layout.micro_batch, layout.seq_len, layout.cp, layout.tp, layout.ep, layout.sp, layout.d_model,
+                  layout.n_heads, layout.n_kv_heads, layout.d_ff, layout.num_experts, layout.top_k,
+                  layout.vocab_size, layout.dtype, layout.precision, layout.recompute, hw.peak_tflops_bf16,
+                  hw.peak_tflops_fp32, hw.mem_bw_gbps, hw.efficiency, hw.attention_efficiency)
+
+
+@lru_cache(maxsize=4096)
+def _rates(mb: int, s: int, cp: int, tp: int, ep: int, sp: bool, D: int, H: int, G: int, F: int, E: int, K: int, V: int,
+           dtype: str, precision: str, recompute: str, bf16: float, fp32: float, bw: float, eff: float,
+           attn: float) -> tuple[float, float, float, float, float]:
+    x = _Shape(micro_batch=mb, seq_len=s, cp=cp, tp=tp, ep=ep, sp=sp, d_model=D, n_heads=H, n_kv_heads=G, d_ff=F,
+               num_experts=E, top_k=K, vocab_size=V, dtype=dtype, precision=precision, recompute=recompute)
+    hw = _Speed(peak_tflops_bf16=bf16, peak_tflops_fp32=fp32, mem_bw_gbps=bw, efficiency=eff,
+                attention_efficiency=attn)
+    return (linear_efficiency(x, hw), head_efficiency(x, hw), attention_efficiency(x, hw),  # type: ignore[arg-type]
+            elementwise_bytes(x), param_pass_bytes(x))  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """The Layout fields the rates read (a Layout stand-in for the cache)."""
+
+    micro_batch: int
+    seq_len: int
+    cp: int
+    tp: int
+    ep: int
+    sp: bool
+    d_model: int
+    n_heads: int
+    n_kv_heads: int
+    d_ff: int
+    num_experts: int
+    top_k: int
+    vocab_size: int
+    dtype: str
+    precision: str
+    recompute: str
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def micro_batch_tokens(self) -> int:
+        return self.micro_batch * (self.seq_len // self.cp)
+
+
+@dataclass(frozen=True)
+class _Speed:
+    """The HardwareProfile fields the rates read."""
+
+    peak_tflops_bf16: float
+    peak_tflops_fp32: float
+    mem_bw_gbps: float
+    efficiency: float
+    attention_efficiency: float
+
+    def peak_flops(self, dtype: str) -> float:
+        return (self.peak_tflops_bf16 if dtype == "bfloat16" else self.peak_tflops_fp32) * 1e12
