@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Annotated, Any
 
 from curry_train.config import ConfigError
-from curry_train.paths import UnsafeName, check_name, configs_dir, project_root
+from curry_train.paths import UnsafeName, check_name, config_names, project_root
 from mcp.server import MCPServer
 from mcp.server.mcpserver import Context
 from mcp.server.mcpserver.exceptions import ToolError
@@ -77,7 +77,7 @@ def root() -> str:
 
 
 def _available() -> str:
-    return ", ".join(sorted(p.stem for p in configs_dir(root()).glob("*.yaml"))) or "(none)"
+    return ", ".join(config_names(root())) or "(none)"
 
 
 def tool_error(e: BaseException) -> ToolError:

@@ -164,11 +164,15 @@ def plan(
     model: Annotated[str, AfterValidator(_name_only),
                      Field(description="Config name in configs/ whose model section to plan for (e.g. 'llama3-70b'); "
                                        "not a path.")],
-    gpus_per_node: Annotated[int, Field(ge=1, le=1024, description="Accelerators per node.")],
-    nodes: Annotated[int, Field(ge=1, le=100_000, description="Nodes in the cluster.")],
-    gpu_memory_gib: Annotated[float, Field(gt=0, le=4096, description="Memory per accelerator, GiB (e.g. 80).")],
-    seq_len: Annotated[int, Field(ge=2, le=10_000_000, description="Tokens per sequence.")],
-    global_batch: Annotated[int, Field(ge=1, le=100_000_000, description="Sequences per optimizer step.")],
+    # the CLI's defaults (curry-train plan --help); tests/test_mcp_server.py checks that they agree
+    gpus_per_node: Annotated[int, Field(ge=1, le=1024, description="Accelerators per node.")] = 8,
+    nodes: Annotated[int, Field(ge=1, le=100_000, description="Nodes in the cluster.")] = 1,
+    gpu_memory_gib: Annotated[float | None, Field(gt=0, le=4096, description="Memory per accelerator, GiB "
+                                                  "(default: the gpu's memory, else 80).")] = None,
+    seq_len: Annotated[int | None, Field(ge=2, le=10_000_000, description="Tokens per sequence (default: the "
+                                         "config's).")] = None,
+    global_batch: Annotated[int | None, Field(ge=1, le=100_000_000, description="Sequences per optimizer step "
+                                              "(default: the config's).")] = None,
     micro_batch: Annotated[int | None, Field(ge=1, description="Sequences per data-parallel rank per forward, kept "
                                                    "on every layout (default: searched).")] = None,
     search_micro_batch: Annotated[bool | None, Field(description="Search the micro-batch (default: only when "
@@ -253,7 +257,7 @@ async def import_hf_config(
                                                    "machine, or the JSON text itself. Never fetched from the "
                                                    "network.")],
     name: Annotated[str, AfterValidator(_name_only),
-                    Field(description="Config to write: configs/<name>.yaml (a plain name such as 'qwen2-72b').")],
+                    Field(description="Config to write: configs/local/<name>.yaml (a plain name, e.g. 'qwen2-72b').")],
     ctx: Context,
     accept: Annotated[list[str], Field(description="Behavioural differences a refusal named that you accept "
                                                    "leaving out (e.g. attention_bias, rope_scaling).")] = [],  # noqa: B006

@@ -19,6 +19,7 @@ import argparse
 import hmac
 import logging
 import os
+import socket
 import sys
 from typing import Any
 
@@ -30,16 +31,24 @@ MIN_TOKEN_CHARS = 16
 
 
 class BearerAuth:
-    """ASGI middleware: every HTTP request must carry `Authorization: Bearer <token>`; others get 401."""
+    """ASGI middleware: every HTTP request must carry `Authorization: Bearer <token>`; others get 401.
+
+    The scheme matches in any case (`bearer`, `BEARER`): RFC 9110 section 11.1 makes auth-schemes
+    case-insensitive, and some clients send it lower-case. The token itself is compared exactly, in constant time.
+    """
 
     def __init__(self, app: Any, token: str):
         self.app = app
-        self._expected = f"Bearer {token}".encode()
+        self._expected = token.encode()
+
+    def authorized(self, header: bytes) -> bool:
+        scheme, _, credentials = header.strip().partition(b" ")
+        return scheme.lower() == b"bearer" and hmac.compare_digest(credentials.strip(b" "), self._expected)
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "http":
             got = b"".join(v for k, v in scope["headers"] if k == b"authorization")
-            if not hmac.compare_digest(got, self._expected):
+            if not self.authorized(got):
                 body = (b'{"error": "unauthorized: send the header Authorization: Bearer <token>, the token being '
                         b'the value of the variable named by curry-train mcp --token-env"}')
                 await send({"type": "http.response.start", "status": 401,
@@ -92,11 +101,24 @@ def serve(http: bool = False, port: int = DEFAULT_PORT, host: str = "127.0.0.1",
     import uvicorn
 
     app = http_app(port, host, _token(token_env))
+    sock = listen(host, port)  # bound before "serving" is logged: a taken port is an error, never a false start
     logging.getLogger(__name__).info("serving MCP on http://%s:%d/mcp%s", host, port,
                                      " (bearer token required)" if token_env else "")
     # What MCPServer.run(transport="streamable-http") does, plus the optional token check around the app.
-    uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level.lower())).run()
+    uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level.lower())).run(sockets=[sock])
     return 0
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """The bound listening socket, or a one-line error naming the port and the fix (exit 2)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        return socket.create_server((host, port), family=family)
+    except OSError as e:
+        why = os.strerror(e.errno) if e.errno else str(e)
+        print(f"curry-train mcp --http: cannot listen on {host}:{port} ({why}); pass another --port, "
+              "or stop the process that holds it", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def _add_args(p: argparse.ArgumentParser) -> None:

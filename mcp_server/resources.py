@@ -10,7 +10,7 @@ import json
 import logging
 from typing import Annotated, Any
 
-from curry_train.paths import UnsafeName, check_name, configs_dir
+from curry_train.paths import UnsafeName, check_name, config_names, config_path
 from mcp.server.mcpserver import Context
 from mcp.server.mcpserver.exceptions import ResourceNotFoundError
 from mcp.server.mcpserver.prompts.base import UserMessage
@@ -43,8 +43,10 @@ def config_index() -> str:
     import yaml
 
     out = []
-    for p in sorted(configs_dir(root()).glob("*.yaml")):
-        if configs_dir(root()).resolve() not in p.resolve().parents:
+    for stem in config_names(root()):
+        try:
+            p = config_path(stem, root())  # a written config shadows the preset of its name, as in every tool
+        except UnsafeName:
             continue  # symlinked out of configs/: the tools refuse it, so it is not a config name
         try:
             raw = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
@@ -58,8 +60,6 @@ def config_index() -> str:
 
 
 def _config_text(name: str) -> str:
-    from curry_train.paths import config_path
-
     try:
         # config_path, not configs_dir() / name: it also refuses a configs/<name>.yaml symlinked out of configs/,
         # which this resource used to read although every tool refused it (tests/reliability/test_paths.py)
@@ -73,7 +73,7 @@ def _config_text(name: str) -> str:
 
 @mcp.resource("config://{name}", mime_type="application/yaml", title="A config (YAML)")
 def config_resource(name: str) -> str:
-    """configs/<name>.yaml as stored."""
+    """configs/local/<name>.yaml when a tool wrote it, else the preset configs/<name>.yaml, as stored."""
     return _config_text(name)
 
 
@@ -84,8 +84,8 @@ def _add_config(stem: str) -> None:
 
 def register_configs() -> None:
     """Concrete entries for resources/list; update_config adds the configs it creates (announce_config)."""
-    for p in sorted(configs_dir(root()).glob("*.yaml")):
-        _add_config(p.stem)
+    for stem in config_names(root()):
+        _add_config(stem)
 
 
 async def announce_config(stem: str, ctx: Context) -> None:

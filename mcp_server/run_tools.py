@@ -124,7 +124,7 @@ async def whitebox_compare(
 
 @mcp.tool(annotations=WRITES_CONFIG)
 async def update_config(
-    name: Annotated[str, Field(description="Config to write: configs/<name>.yaml (a plain name such as "
+    name: Annotated[str, Field(description="Config to write: configs/local/<name>.yaml (a plain name such as "
                                            "'tiny-zero2').")],
     changes: Annotated[dict[str, Any], Field(description='Dotted keys to set, e.g. {"parallel.zero": 2, '
                                                          '"parallel.dp": 4}.')],
@@ -132,7 +132,8 @@ async def update_config(
     base: Annotated[str | None, Field(description="Start from this config instead of the current <name> "
                                                   "(required when <name> does not exist yet).")] = None,
 ) -> ConfigUpdate:
-    """Validate, then write configs/<name>.yaml atomically, keeping the previous version in configs/.history/.
+    """Validate, then write configs/local/<name>.yaml atomically (the presets in configs/ are never written), keeping
+    the previous version in configs/local/.history/.
     Returns the path, the resolved config and the diff. An invalid config writes nothing and the error names each
     field and its fix. Use it to apply the patch recommend_next proposes, one primitive at a time. A new config
     appears in resources/list at once (the server sends notifications/resources/list_changed)."""

@@ -14,7 +14,10 @@ This module assembles the server; importing it registers every tool, resource an
     app.py          the MCPServer instance `mcp` and what the adapters share (root, argument types, errors, _long)
     run_tools.py    probe_hardware, bench, whitebox_compare, update_config, runs_diff
     brain_tools.py  estimate_memory, recommend_next, plan, capacity_sweep
+    climb_tool.py   climb, the main job (the CLI's climb in a worker)
     resources.py    skill://, config://, run:// and the diagnose_scaling prompt
+    surface.py      what every tool inherits: case-insensitive choices, plain argument errors, trimmed output
+                    schemas, the skills extension declared on every protocol era
 """
 
 from __future__ import annotations
@@ -30,7 +33,9 @@ from .app import SKILLS_DIR, _long, mcp, root, tool_error
 # isort: off
 from . import run_tools  # noqa: F401
 from . import brain_tools  # noqa: F401
+from . import climb_tool  # noqa: F401
 from . import resources
+from . import surface
 # isort: on
 
 __all__ = ["SKILLS_DIR", "WhiteboxVerdict", "_long", "mcp", "root", "tool_error"]
@@ -49,12 +54,14 @@ def _refuse_unknown_arguments() -> None:
     for tool in mcp._tool_manager.list_tools():
         base = tool.fn_metadata.arg_model
         known = tuple(sorted(f.alias or n for n, f in base.model_fields.items()))
+        choices = surface.choice_fields(base)
 
-        def check(cls: type, data: Any, known: tuple[str, ...] = known, name: str = tool.name) -> Any:
+        def check(cls: type, data: Any, known: tuple[str, ...] = known, name: str = tool.name,
+                  choices: dict[str, dict[str, str]] = choices) -> Any:
             if isinstance(data, dict) and (unknown := sorted(str(k) for k in set(data) - set(known))):
                 raise ValueError(f"unknown argument(s) {unknown}: {name} takes only {', '.join(known)}; "
                                  "fix the spelling or drop them")
-            return data
+            return surface.fold_case(data, choices)  # symptom="OOM" is symptom="oom"
 
         def plain(cls: type, data: Any, handler: Any) -> Any:
             try:
@@ -114,5 +121,8 @@ def _plain_descriptions() -> None:
 
 _refuse_unknown_arguments()
 _plain_descriptions()
+surface.plain_validation_errors(mcp, plain_argument_errors)
+surface.trim_output_schemas(mcp)
+surface.declare_extensions_on_every_era(mcp)
 resources.register_configs()
 resources.advertise_list_changed()

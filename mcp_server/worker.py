@@ -1,8 +1,8 @@
 """One long tool call in its own process: `python -m curry_train_mcp.worker '<json request>'`.
 
 The MCP server never imports torch and never runs training in its own process. Each long call (bench, white-box,
-measured probe) runs here, in a fresh session started by `jobs.run_worker`, which reads this process's stdout as a
-line protocol: `{"progress": "..."}` lines, then exactly one `{"result": {...}}` or `{"error": {...}}` line.
+measured probe, climb) runs here, in a fresh session started by `jobs.run_worker`, which reads this process's stdout
+as a line protocol: `{"progress": "..."}` lines, then exactly one `{"result": {...}}` or `{"error": {...}}` line.
 Anything else that writes to fd 1 (a library print) is redirected to stderr before work starts, so the protocol
 stays clean, and the ranks' own output goes to their run folder's log file.
 
@@ -64,6 +64,17 @@ def _sweep(args: dict[str, Any], cancel: threading.Event, say: Say, root: str | 
                           cancel=cancel, progress=say, root=root).model_dump(mode="json")
 
 
+def _climb(args: dict[str, Any], cancel: threading.Event, say: Say, root: str | None) -> dict[str, Any]:
+    """The CLI's climb itself (the same ledger, configs and checkpoint chain), each progress line a notification.
+    Not in LOCKED: the climb takes the device lock per launch, between which cheap tools and other jobs may run."""
+    from curry_train.cli.climb import climb
+
+    return climb(args["config"], int(args["memory_budget"]), overrides=args.get("overrides") or {},
+                 name=args.get("name"), steps=int(args.get("steps", 3)), max_rungs=int(args.get("max_rungs", 8)),
+                 root=root, timeout=float(args.get("timeout", 900.0)), log=say,
+                 keep_checkpoints=bool(args.get("keep_checkpoints")), cancel=cancel).model_dump(mode="json")
+
+
 def _selftest(args: dict[str, Any], cancel: threading.Event, say: Say, root: str | None) -> dict[str, Any]:
     """Not a tool: the launcher self-test with an injected fault, for tests/reliability/test_faults.py."""
     from curry_train.measure import service
@@ -77,6 +88,7 @@ def _selftest(args: dict[str, Any], cancel: threading.Event, say: Say, root: str
 
 TASKS: dict[str, Callable[[dict[str, Any], threading.Event, Say, str | None], dict[str, Any]]] = {
     "bench": _bench, "whitebox": _whitebox, "probe": _probe, "sweep": _sweep, "selftest": _selftest,
+    "climb": _climb,
 }
 # Tasks that occupy the accelerators (or all CPU cores) and so take the device lock.
 LOCKED = {"bench", "whitebox", "sweep", "probe_measure", "selftest"}

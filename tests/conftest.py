@@ -22,7 +22,8 @@ def shipped_configs(dest: Path, src: Path = REPO / "configs") -> Path:
 
     A file update_config created is skipped (its first version carries WRITTEN); a preset it changed is taken from
     its first saved version in .history/, which is the shipped one. So the tests see the same presets on a fresh
-    clone and after `curry-train climb` has written configs/tiny-climb.yaml and configs/.history/.
+    clone and after an older `curry-train climb` wrote configs/tiny-climb.yaml and configs/.history/ (today's writes
+    go to configs/local/, which the glob below does not enter).
     """
     dest.mkdir(parents=True, exist_ok=True)
     for p in sorted(src.glob("*.yaml")):

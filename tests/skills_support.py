@@ -40,11 +40,10 @@ TOOLS: dict[str, tuple[set[str] | None, set[str]]] = {
     "runs_diff": ({"run_a", "run_b"}, {"run_a", "run_b"}),
     "estimate_memory": ({"config", "overrides"}, {"config"}),
     "recommend_next": ({"config", "symptom", "overrides"}, {"config"}),
-    "plan": (
-        {"model", "gpus_per_node", "nodes", "gpu_memory_gib", "seq_len", "global_batch"},
-        {"model", "gpus_per_node", "nodes", "gpu_memory_gib", "seq_len", "global_batch"},
-    ),
+    "plan": ({"model", "gpus_per_node", "nodes", "gpu_memory_gib", "seq_len", "global_batch"}, {"model"}),
     "capacity_sweep": (None, {"config"}),
+    "climb": ({"config", "memory_budget", "overrides", "name", "steps", "max_rungs", "keep_checkpoints"},
+              {"config", "memory_budget"}),
     "import_hf_config": ({"path_or_json", "name", "accept", "seq_len"}, {"path_or_json", "name"}),
     "export_layout": ({"config", "framework", "overrides"}, {"config", "framework"}),
 }

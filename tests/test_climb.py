@@ -158,7 +158,7 @@ def test_each_rung_resumes_the_previous_rungs_checkpoint_for_real(project, monke
     size = sum(f.stat().st_size for f in Path(z3.checkpoint).rglob("*") if f.is_file())
     assert 12 * n <= size <= 12 * n + 2500 * 3 * len(params) * 2 + 100_000, (size, 12 * n)
     torch.set_num_threads(1)
-    cfg = load_config(project / "configs" / "tiny-climb.yaml", {"parallel.dp": 1, "parallel.zero": 0})
+    cfg = load_config(project / "configs" / "local" / "tiny-climb.yaml", {"parallel.dp": 1, "parallel.zero": 0})
     par = setup(cfg)
     ref = [train_step(par, s).loss for s in range(6)]  # the same 6 steps, uninterrupted, on one device
     print(json.dumps({"reference": ref, "climb": base.losses + z3.losses}))
@@ -170,7 +170,7 @@ def test_the_climb_config_is_fitted_to_this_machine(project, fake_runs, monkeypa
     _advisor(monkeypatch, [])
     r = climb("tiny", 10**9, root=project)
     assert r.fits and len(r.rungs) == 1
-    cfg = load_config(project / "configs" / "tiny-climb.yaml")
+    cfg = load_config(project / "configs" / "local" / "tiny-climb.yaml")
     cap = cpu_rank_cap(os.cpu_count() or 1)  # the preflight's cap, the same for the climb and every launch
     assert cfg.hardware.device == "cpu" and cfg.hardware.gpus_per_node <= cap
     assert cfg.hardware.gpu_memory_gib == pytest.approx(10**9 / 2**30)
@@ -233,3 +233,91 @@ def test_the_readme_climb_runs_for_real_and_fits_in_at_least_three_rungs(project
     assert all(g["resumed_from"] == p["checkpoint"] and g["start_step"] == p["start_step"] + len(p["losses"])
                for p, g in zip(rungs, rungs[1:]))
     assert [g["checkpoint_deleted"] for g in rungs] == [True] * (len(rungs) - 1) + [False]
+
+
+def test_a_climb_leaves_a_git_checkout_clean(tmp_path, fake_runs, monkeypatch):
+    """README command 1 then command 2 leave `git status --porcelain` empty: the climb's configs and their history
+    go to configs/local/, which the repository's .gitignore names, and its runs to the ignored runs/. A checkout
+    copy (this .gitignore + the shipped presets) committed in a fresh repository, climbed with the real writers."""
+    from tests.conftest import REPO, shipped_configs
+
+    checkout = tmp_path / "checkout"
+    shipped_configs(checkout / "configs")
+    (checkout / ".gitignore").write_text((REPO / ".gitignore").read_text(encoding="utf-8"), encoding="utf-8")
+    git = ["git", "-C", str(checkout), "-c", "user.name=t", "-c", "user.email=t@t", "-c", "commit.gpgsign=false"]
+    for cmd in (["init", "-q"], ["add", "-A"], ["commit", "-qm", "shipped"]):
+        subprocess.run([*git, *cmd], check=True, capture_output=True)
+    _advisor(monkeypatch, LADDER)
+    budget = int(estimate_memory("tiny", {"parallel.dp": 4, "parallel.zero": 3, "parallel.recompute": "full"},
+                                 root=checkout).memory.total * 1.02)
+    r = climb("tiny", budget, root=checkout)
+    assert r.fits and len(history("tiny-climb", root=checkout)) == 3  # it wrote, and versioned, the rung config
+    status = subprocess.run([*git, "status", "--porcelain", "--untracked-files=all"], check=True,
+                            capture_output=True, text=True).stdout
+    assert status == "", status
+
+
+def test_a_cancelled_climb_passes_the_cancel_to_every_launch_and_starts_no_further_rung(project, fake_runs,
+                                                                                        monkeypatch):
+    """What the MCP tool's worker relies on: SIGTERM sets `cancel`; the launch in flight gets it (its launcher kills
+    the ranks' process group, curry_train/train/launch.py) and no rung starts after it."""
+    import threading
+
+    from curry_train.train.launch import LaunchError
+
+    cancel, seen = threading.Event(), []
+    fake = bench_mod.bench
+
+    def bench(*a, cancel=None, **k):
+        seen.append(cancel)
+        r = fake(*a, cancel=cancel, **k)
+        cancel.set()  # the client cancels while rung 0 runs
+        return r
+
+    monkeypatch.setattr(bench_mod, "bench", bench)
+    _advisor(monkeypatch, LADDER)
+    with pytest.raises(LaunchError, match="cancelled"):
+        climb("tiny", 1000, root=project, cancel=cancel)
+    assert seen == [cancel] and len(fake_runs.calls["whitebox"]) == 0
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
+@pytest.mark.anyio
+async def test_climb_over_mcp_is_the_cli_climb(project, monkeypatch):
+    """The `climb` tool runs the CLI's climb in a worker: the same rung the CLI's advisor picks for the measured
+    peak, one training run across the rungs (the losses of 3 + 3 steps are the uninterrupted single-device run's,
+    as test_each_rung_resumes_the_previous_rungs_checkpoint_for_real checks for the CLI), the same configs and
+    ledger, and a progress notification for every rung."""
+    import torch
+    from curry_train.store.runs import Ledger
+    from curry_train.train.loop import setup, train_step
+    from curry_train_mcp.server import mcp
+    from mcp import Client
+
+    monkeypatch.setenv("CURRY_TRAIN_ROOT", str(project))
+    progress: list[str] = []
+
+    async def on_progress(p: float, total: float | None, message: str | None) -> None:
+        progress.append(message or "")
+
+    async with Client(mcp) as c:
+        r = await c.call_tool("climb", {"config": "TINY".lower(), "memory_budget": 1000, "max_rungs": 1,
+                                        "steps": 2}, progress_callback=on_progress)
+    assert not r.is_error, r.content[0].text[-3000:]
+    out = r.structured_content
+    base, rung = out["rungs"]
+    before = history("tiny-climb", root=project)  # the rung-0 config, as the CLI climb saw it before rung 1
+    assert len(before) == 1  # one saved version per applied primitive, as the CLI
+    cli_next = climb_mod._recommend(str(before[0]), project, base["measured_bytes"])  # what the CLI climb applies
+    assert rung["primitive"] == cli_next.primitive and rung["patch"] == cli_next.config_patch
+    assert out["final_parallel"] == rung["parallel"] and rung["parity"] == "passed"
+    assert rung["resumed_from"] == base["checkpoint"] and rung["start_step"] == 3 and base["checkpoint_deleted"]
+    assert [f"rung {i}:" in " ".join(progress) for i in (0, 1)] == [True, True]
+    kinds = sorted(rec.kind for rec in Ledger(project).list(20))
+    assert kinds == ["bench", "bench", "whitebox"], kinds
+    torch.set_num_threads(1)
+    cfg = load_config(project / "configs" / "local" / "tiny-climb.yaml", {"parallel.recompute": "none"})
+    par = setup(cfg)
+    ref = [train_step(par, s).loss for s in range(6)]  # the same 6 steps, uninterrupted, on one device
+    assert base["losses"] + rung["losses"] == pytest.approx(ref, rel=1e-5)

@@ -15,18 +15,18 @@ def test_creating_from_a_base_writes_the_resolved_config_and_diffs_against_the_b
     r = update_config("tiny-dp2", {"parallel.dp": 2}, base="tiny", root=project)
     assert r.created and r.written and r.base == "tiny" and r.previous_version is None
     assert [(c.key, c.old, c.new) for c in r.diff] == [("parallel.dp", 1, 2)]
-    path = project / "configs" / "tiny-dp2.yaml"
+    path = project / "configs" / "local" / "tiny-dp2.yaml"
     assert r.path == str(path) and load_config(path).parallel.dp == 2 and r.config["parallel"]["dp"] == 2
     assert stat.S_IMODE(path.stat().st_mode) & 0o044, "readable like any file the user writes (not mkstemp's 0600)"
 
 
 def test_updating_keeps_the_replaced_version_in_history(project):
     update_config("mine", {"parallel.dp": 2}, base="tiny", root=project)
-    first = (project / "configs" / "mine.yaml").read_text()
+    first = (project / "configs" / "local" / "mine.yaml").read_text()
     r = update_config("mine", {"parallel": {"zero": 1}}, root=project)  # nested sections work too
     assert [(c.key, c.old, c.new) for c in r.diff] == [("parallel.zero", 0, 1)]
     assert [str(p) for p in history("mine", root=project)] == [r.previous_version]
-    assert r.previous_version.startswith(str(project / "configs" / ".history" / "mine"))
+    assert r.previous_version.startswith(str(project / "configs" / "local" / ".history" / "mine"))
     assert history("mine", root=project)[0].read_text() == first
 
 
@@ -43,10 +43,10 @@ def test_an_invalid_config_writes_nothing_and_names_every_field(project):
     text = str(e.value)
     assert "model.n_heads" in text and "parallel.tp" in text and "Fix" in text
     assert (project / "configs" / "tiny.yaml").read_bytes() == before
-    assert history("tiny", root=project) == [] and not (project / "configs" / ".history").exists()
+    assert history("tiny", root=project) == [] and not (project / "configs" / "local" / ".history").exists()
     with pytest.raises(ConfigError, match="unknown field"):
         update_config("new", {"parallel.tpp": 2}, base="tiny", root=project)
-    assert not (project / "configs" / "new.yaml").exists()
+    assert not (project / "configs" / "local" / "new.yaml").exists()
 
 
 def test_missing_configs_and_unsafe_names_are_refused_with_the_way_out(project):
@@ -80,9 +80,9 @@ def test_concurrent_updates_of_one_config_are_serialised_and_none_is_lost(projec
     for t in threads:
         t.join(60)
     assert not errors
-    final = load_config(project / "configs" / "shared.yaml")
+    final = load_config(project / "configs" / "local" / "shared.yaml")
     assert (final.train.seed, final.train.lr, final.train.steps, final.train.weight_decay, final.model.rope_theta,
             final.model.norm_eps, final.train.global_batch, final.parallel.recompute) == \
         (7, 0.01, 3, 0.1, 500.0, 1e-6, 16, "full")
     assert len(history("shared", root=project)) == len(changes)
-    assert not list((project / "configs").glob(".*.tmp"))  # no half-written temp file left behind
+    assert not list((project / "configs" / "local").glob(".*.tmp"))  # no half-written temp file left behind

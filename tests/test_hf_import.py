@@ -81,7 +81,7 @@ def _root(tmp_path):
 def test_published_models_import_to_their_parameter_count(tmp_path, raw, accept, published):
     root = _root(tmp_path)
     out = import_hf_config(_write(tmp_path, raw), "imported", accept=accept, root=root)
-    written = yaml.safe_load((root / "configs" / "imported.yaml").read_text())
+    written = yaml.safe_load((root / "configs" / "local" / "imported.yaml").read_text())
     est = estimate_memory(written)
     assert est.param_count == out.param_count
     assert abs(est.param_count + out.param_count_of_accepted - published) / published < 0.01
@@ -103,7 +103,7 @@ def test_pasted_json_and_refusal_of_qwen2_biases_without_accept(tmp_path):
     (p,) = e.value.problems
     assert p.fields == ["config.json:attention_bias"] and "819,200 parameters" in p.message
     assert "accept=['attention_bias']" in p.fix and "--accept attention_bias" in p.fix
-    assert not (root / "configs" / "q.yaml").exists()  # refused: nothing written
+    assert not (root / "configs" / "local" / "q.yaml").exists()  # refused: nothing written
     out = import_hf_config(json.dumps(QWEN2_72B), "q", accept=["attention_bias"], root=root)
     assert [d.field for d in out.accepted] == ["attention_bias (Qwen2 q/k/v always biased)"]
     assert out.param_count_of_accepted == 819_200
@@ -155,7 +155,7 @@ def test_bad_input_names_the_field(tmp_path):
         assert field in [f for p in e.value.problems for f in p.fields], (field, str(e.value))
     with pytest.raises(ConfigError, match="names no difference"):
         import_hf_config(json.dumps(LLAMA3_8B), "bad", accept=["sliding_window"], root=root)
-    assert not (root / "configs" / "bad.yaml").exists()
+    assert not (root / "configs" / "local" / "bad.yaml").exists()
 
 
 def test_transformers_v5_rope_parameters_are_read_back(tmp_path):

@@ -34,10 +34,10 @@ async def test_import_then_export_over_mcp(project):
         r = await c.call_tool("import_hf_config", {"path_or_json": json.dumps(LLAMA3_8B), "name": "l3"})
         assert not r.is_error, _text(r)
         assert r.structured_content["param_count"] == 8_030_261_248
-        assert yaml.safe_load((project / "configs" / "l3.yaml").read_text())["model"]["vocab_size"] == 128256
+        assert yaml.safe_load((project / "configs" / "local" / "l3.yaml").read_text())["model"]["vocab_size"] == 128256
         r = await c.call_tool("import_hf_config", {"path_or_json": json.dumps(QWEN2_72B), "name": "q"})
         assert r.is_error and "config.json:attention_bias" in _text(r) and "accept" in _text(r)
-        assert not (project / "configs" / "q.yaml").exists()
+        assert not (project / "configs" / "local" / "q.yaml").exists()
         r = await c.call_tool("import_hf_config", {"path_or_json": "/etc/passwd", "name": "x"})
         assert r.is_error and "path_or_json" in _text(r)
         r = await c.call_tool("export_layout", {"config": "l3", "framework": "deepspeed",

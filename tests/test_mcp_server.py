@@ -87,7 +87,7 @@ async def test_update_config_writes_validated_yaml_and_returns_the_diff(client, 
     out = r.structured_content
     assert out["created"] and out["diff"] == [{"key": "parallel.dp", "old": 1, "new": 2}]
     assert out["config"]["parallel"]["dp"] == 2
-    assert load_config(project / "configs" / "tiny-dp2.yaml").parallel.dp == 2
+    assert load_config(project / "configs" / "local" / "tiny-dp2.yaml").parallel.dp == 2
     assert json.loads(_text(r)) == out  # the text block carries the same JSON for clients without structured output
 
 
@@ -99,7 +99,7 @@ async def test_invalid_update_names_each_field_and_writes_nothing(client, projec
     text = _text(r)
     assert "model.n_heads" in text and "parallel.tp" in text and "Fix" in text
     assert (project / "configs" / "tiny.yaml").read_bytes() == before
-    assert not (project / "configs" / ".history" / "tiny").exists()
+    assert not (project / "configs" / "local" / ".history" / "tiny").exists()
 
 
 @pytest.mark.anyio

@@ -1,6 +1,6 @@
 """Tests never read or write the checkout's configs/ or runs/ (issue 19, item 1): each test has a project root of
-its own holding only the shipped presets, so the README's command 1 (a climb that writes configs/tiny-climb.yaml
-and configs/.history/) followed by command 2 (the tests) passes.
+its own holding only the shipped presets, so the README's command 1 (a climb that writes configs/local/tiny-climb.yaml
+and configs/local/.history/) followed by command 2 (the tests) passes.
 
     .venv/bin/pytest tests/test_project_root.py -q
 """
@@ -34,7 +34,8 @@ def test_the_copy_skips_what_a_climb_wrote_and_restores_a_changed_preset(tmp_pat
     update_config("tiny-climb", {"parallel.dp": 2}, "tiny", root=checkout)  # the climb's rung config
     update_config("tiny-climb", {"parallel.zero": 3}, root=checkout)  # its next rung: a .history/ entry
     update_config("tiny", {"train.seed": 7}, root=checkout)  # someone edits a preset in place
-    assert (checkout / "configs" / ".history").is_dir()
+    assert (checkout / "configs" / "local" / ".history").is_dir()
+    assert (checkout / "configs" / "tiny.yaml").read_text(encoding="utf-8") == shipped  # presets are never written
     copy = shipped_configs(tmp_path / "copy" / "configs", src=checkout / "configs")
     assert {p.name for p in copy.iterdir()} == {f"{n}.yaml" for n in SHIPPED}  # no tiny-climb, no .history
     assert (copy / "tiny.yaml").read_text(encoding="utf-8") == shipped  # the shipped version, not the edit

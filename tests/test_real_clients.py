@@ -11,6 +11,7 @@ user's settings; the server runs against a throwaway project (CURRY_TRAIN_ROOT).
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -97,3 +98,16 @@ def test_the_inspector_lists_the_tools_strictly_portable_and_calls_one(inspector
               "--tool-name", "estimate_memory", "--tool-arg", "config=tiny"], env, tmp_path)
     assert p.returncode == 0 and '"grad_buffers"' in p.stdout and '"isError": true' not in p.stdout, \
         p.stdout[-2000:] + p.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_the_inspector_lists_and_verifies_the_skills(inspector, project, tmp_path):
+    """Inspector 2.x reads skills/list only from a server whose initialize declares the skills extension
+    (mcp_server/surface.py), and --verify checks each file's digest against what resources/read returns."""
+    p = _run([inspector, "--cli", "-e", f"CURRY_TRAIN_ROOT={project}", *SERVER, "--method", "skills/list",
+              "--verify"], dict(os.environ), tmp_path)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    reports = [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
+    names = {r["name"] for r in reports}
+    assert {"bench", "stage4-parallel-primitive-intro"} <= names, p.stdout[-2000:]
+    assert all(r["outcome"] == "verified" for r in reports), [r for r in reports if r["outcome"] != "verified"]

@@ -1,8 +1,14 @@
 """Where configs and runs live, and the only names a tool argument may turn into a path.
 
 The project root is, in order: an explicit `root` argument, the current directory if it holds `configs/`, else the
-checkout this package was installed from (editable install). Tools only ever write under `<root>/configs/` and
-`<root>/runs/`, through `config_path()` / `run_dir()`, which accept restricted names, never paths.
+checkout this package was installed from (editable install). Tools only ever write under `<root>/configs/local/` and
+`<root>/runs/`, through `written_config_path()` / `run_dir()`, which accept restricted names, never paths.
+
+Two kinds of config share one namespace: the presets shipped in `configs/` (read-only to the tools) and the configs
+the tools write (`update_config`, `climb`) in `configs/local/`, with their history in `configs/local/.history/`.
+The repository ignores `configs/local/` (and `runs/`), so README command 1 then command 2 leave `git status` clean
+(docs/INTEGRATION.md, "Where files go"). A written config shadows the preset of the same name: `config_path` reads
+configs/local/<name>.yaml when it exists, else configs/<name>.yaml.
 """
 
 from __future__ import annotations
@@ -49,6 +55,19 @@ def configs_dir(root: str | Path | None = None) -> Path:
     return project_root(root) / "configs"
 
 
+LOCAL = "local"  # the folder of configs/ the tools write into; .gitignore names it
+
+
+def written_dir(root: str | Path | None = None) -> Path:
+    """configs/local/: every config a tool writes, and .history/ of their previous versions."""
+    return configs_dir(root) / LOCAL
+
+
+def config_names(root: str | Path | None = None) -> list[str]:
+    """Every config a name can resolve to: the written ones and the presets, sorted, each once."""
+    return sorted({p.stem for d in (configs_dir(root), written_dir(root)) for p in d.glob("*.yaml")})
+
+
 def runs_dir(root: str | Path | None = None) -> Path:
     d = project_root(root) / "runs"
     d.mkdir(parents=True, exist_ok=True)
@@ -63,12 +82,24 @@ def _inside(path: Path, parent: Path) -> Path:
     return path
 
 
-def config_path(name: str, root: str | Path | None = None) -> Path:
-    """configs/<name>.yaml for a config name such as 'tiny' (a trailing .yaml is accepted)."""
+def written_config_path(name: str, root: str | Path | None = None) -> Path:
+    """configs/local/<name>.yaml: where a tool writes the config `name` (a trailing .yaml is accepted)."""
     name = name[:-5] if isinstance(name, str) and name.endswith(".yaml") else name
     check_name(name, "config name")
+    # a preset of this name symlinked out of configs/ is not a config name: refuse it here too, rather than let a
+    # written config shadow it (tests/reliability/test_paths.py)
+    _inside(configs_dir(root) / f"{name}.yaml", configs_dir(root))
+    return _inside(written_dir(root) / f"{name}.yaml", configs_dir(root))
+
+
+def config_path(name: str, root: str | Path | None = None) -> Path:
+    """The file a config name such as 'tiny' reads: the written configs/local/<name>.yaml, else the preset
+    configs/<name>.yaml (which may not exist; callers report it with config_names())."""
+    written = written_config_path(name, root)
+    if written.is_file():
+        return written
     d = configs_dir(root)
-    return _inside(d / f"{name}.yaml", d)
+    return _inside(d / written.name, d)
 
 
 def run_dir(run_id: str, root: str | Path | None = None) -> Path:
@@ -87,7 +118,7 @@ def resolve_config_arg(arg: str, root: str | Path | None = None) -> Path:
         if p.is_file():
             return p
         if len(p.parts) > 1:  # a path, not a bare 'tiny.yaml' (that one is the name 'tiny', checked below)
-            have = ", ".join(sorted(q.stem for q in configs_dir(root).glob("*.yaml"))) or "(none)"
+            have = ", ".join(config_names(root)) or "(none)"
             raise FileNotFoundError(f"config file {arg} does not exist; available configs in {configs_dir(root)}: "
                                     f"{have} (pass one of these names, or an existing YAML path)")
     return config_path(arg, root)

@@ -8,7 +8,9 @@ matplotlib is imported inside the drawing functions, so importing this module (a
 cheap. The memory bars use the categories of curry_train/breakdown.py, the ones the estimator and the measurement
 share. The pipeline timeline is a small discrete-event simulation of the schedule's per-rank op order (GPipe,
 1F1B, interleaved 1F1B as Megatron orders it, zero-bubble with weight-gradient ops filling the idle slots); idle
-time is the bubble.
+time is the bubble. Beyond AGGREGATE_AT micro-batches it draws the warm-up, the steady state once and the cool-down,
+and says how many steady-state micro-batches it left out; every shade drawn has a legend entry, and titles and
+labels are wrapped to fit the figure (tests/test_plots.py renders each picture at its largest and checks).
 """
 
 from __future__ import annotations
@@ -42,6 +44,25 @@ def _png(fig: Any) -> bytes:
     return buf.getvalue()
 
 
+def fit_text(fig: Any, make: Any, text: str, max_frac: float) -> Any:
+    """`make(wrapped text)` with `text` wrapped onto as many lines as keep it within `max_frac` of the figure's
+    width. A layout title names every axis and a profile: at 11 pt it is wider than a 9-inch figure and used to be
+    clipped at both ends (tests/test_bench.py renders each picture at its largest and checks every text fits)."""
+    import textwrap
+
+    limit, width = max_frac * fig.get_figwidth() * fig.dpi, len(text)
+    while True:
+        t = make(textwrap.fill(text, width=width))
+        if t.get_window_extent(fig.canvas.get_renderer()).width <= limit or width <= 20:
+            return t
+        width = int(width * 0.85)
+
+
+def fit_title(fig: Any, title: str, fontsize: float) -> Any:
+    """The figure's title, centred on the figure (not on an axes a right-hand legend pushes left), wrapped."""
+    return fit_text(fig, lambda t: fig.suptitle(t, fontsize=fontsize), title, 0.96)
+
+
 def _unit(vmax: float) -> tuple[float, str]:
     return (2**30, "GiB") if vmax >= 2**30 else (2**20, "MiB") if vmax >= 2**20 else (2**10, "KiB")
 
@@ -64,9 +85,14 @@ def budget_label(budget_bytes: float, usable_bytes: float | None) -> str:
 # --------------------------------------------------------------------------------------- memory breakdown
 
 
-def memory_breakdown_png(bars: dict[str, dict[str, float]], *, title: str = "Per-rank memory",
-                         budget_bytes: float | None = None, usable_bytes: float | None = None,
-                         peaks: dict[str, float] | None = None) -> bytes:
+def memory_breakdown_png(bars: dict[str, dict[str, float]], **kw: Any) -> bytes:
+    """memory_breakdown_figure as PNG bytes."""
+    return _png(memory_breakdown_figure(bars, **kw))
+
+
+def memory_breakdown_figure(bars: dict[str, dict[str, float]], *, title: str = "Per-rank memory",
+                            budget_bytes: float | None = None, usable_bytes: float | None = None,
+                            peaks: dict[str, float] | None = None) -> Any:
     """Stacked bars, one per label (e.g. {"estimate": {...}, "measured": {...}}), one segment per category.
 
     `peaks` marks a peak above the stacked categories when they differ (e.g. the CUDA allocator's high-water mark);
@@ -104,11 +130,11 @@ def memory_breakdown_png(bars: dict[str, dict[str, float]], *, title: str = "Per
             ax.plot([], [], " ", label=f"{text} (off scale)")
     ax.set_ylabel(f"bytes per rank ({unit})")
     ax.set_ylim(0, max(biggest, line if show_line else 0) / div * 1.15)
-    ax.set_title(title, fontsize=11)
     ax.grid(axis="y", alpha=0.3)
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=9, frameon=False)
+    fit_title(fig, title, 11)
     fig.tight_layout()
-    return _png(fig)
+    return fig
 
 
 # --------------------------------------------------------------------------------------- pipeline timeline
@@ -220,36 +246,70 @@ def simulate_pipeline(p: int, m: int, schedule: str = "1f1b", v: int = 1, *, t_f
     return Timeline(p=p, v=v, m=m, schedule=schedule, ops=done_ops, makespan=makespan)
 
 
+AGGREGATE_AT = 16  # more micro-batches than this: draw the steady state once, with its count (a barcode otherwise)
+FCOL = ["#1f77b4", "#6baed6", "#08519c", "#9ecae1"]  # forward, one shade per model chunk (interleaved)
+BCOL = ["#2ca02c", "#74c476", "#006d2c", "#a1d99b"]  # backward, the same
+WCOL, IDLE = "#17becf", "#e6e6e6"
+
+
+def drawn_microbatches(p: int, m: int, v: int = 1) -> int:
+    """How many micro-batches the timeline draws: all of them up to AGGREGATE_AT, else the fewest that show the
+    warm-up, the steady state and the cool-down. 1F1B: rank 0 warms up with p-1 forwards, so p+1 micro-batches
+    give it two steady F/B pairs. Interleaved (Megatron groups micro-batches by p): 2p, since its warm-up is
+    2(p-1) + (v-1)p of the 2pv chunk-forwards and 2pv exceeds it by pv - p + 2 >= 2."""
+    if m <= AGGREGATE_AT:
+        return m
+    return min(m, 2 * p if v > 1 else p + 1)
+
+
 def pipeline_timeline_png(p: int, m: int, schedule: str = "1f1b", v: int = 1) -> bytes:
-    """Ranks as rows, time left to right: forward, backward and weight-grad blocks; gaps are the bubble."""
+    """pipeline_timeline_figure as PNG bytes."""
+    return _png(pipeline_timeline_figure(p, m, schedule, v))
+
+
+def pipeline_timeline_figure(p: int, m: int, schedule: str = "1f1b", v: int = 1) -> Any:
+    """Ranks as rows, time left to right: forward, backward and weight-grad blocks; grey is the bubble.
+
+    Beyond AGGREGATE_AT micro-batches the picture draws drawn_microbatches() of them (warm-up, one steady-state
+    cycle, cool-down) and says how many steady-state micro-batches repeat unseen; the bubble figures in the title
+    are simulated for all `m`. Blocks have no white edges: at 128 micro-batches those seams read as idle time."""
     from matplotlib.patches import Patch
 
     plt = _pyplot()
-    tl = simulate_pipeline(p, m, schedule, v)
-    fig, ax = plt.subplots(figsize=(10, 1.2 + 0.55 * p))
-    fcol = ["#1f77b4", "#6baed6", "#08519c", "#9ecae1"]
-    bcol = ["#2ca02c", "#74c476", "#006d2c", "#a1d99b"]
+    full = simulate_pipeline(p, m, schedule, v)
+    shown = drawn_microbatches(p, m, v)
+    tl = full if shown == m else simulate_pipeline(p, shown, schedule, v)
+    fig, ax = plt.subplots(figsize=(10, 1.6 + 0.55 * p))
+    used: dict[str, str] = {}  # colour -> legend label: every shade drawn gets an entry
     for r in range(p):
-        ax.broken_barh([(0, tl.makespan)], (r - 0.4, 0.8), facecolors="#eeeeee")
+        ax.broken_barh([(0, tl.makespan)], (r - 0.4, 0.8), facecolors=IDLE, linewidth=0)
         for op in tl.ops[r]:
             chunk = op.stage // p
-            colour = "#17becf" if op.kind == "W" else (fcol if op.kind == "F" else bcol)[chunk % 4]
-            ax.broken_barh([(op.start, op.end - op.start)], (r - 0.4, 0.8), facecolors=colour, edgecolor="white")
-            if (op.end - op.start) / tl.makespan > 0.012:
+            colour = WCOL if op.kind == "W" else (FCOL if op.kind == "F" else BCOL)[chunk % 4]
+            name = {"F": "forward", "B": "backward", "W": "weight grad"}[op.kind]
+            used[colour] = name + (f", chunk {chunk % 4}" if v > 1 and op.kind != "W" else "")
+            # an edge of the block's own colour closes the anti-aliasing seams between neighbours
+            ax.broken_barh([(op.start, op.end - op.start)], (r - 0.4, 0.8), facecolors=colour, edgecolors=colour,
+                           linewidth=0.6)
+            if (op.end - op.start) / tl.makespan > 0.02:
                 ax.text((op.start + op.end) / 2, r, f"{op.kind}{op.mb}", ha="center", va="center", fontsize=7,
                         color="white")
     ax.set_yticks(range(p), [f"rank {r}" for r in range(p)])
     ax.invert_yaxis()
     ax.set_xlim(0, tl.makespan)
-    ax.set_xlabel("time (forward = 1 unit, backward = 2 units)")
-    ax.set_title(f"{schedule}, pp={p}, virtual stages={v}, micro-batches={m}: bubble "
-                 f"{tl.bubble_fraction * 100:.1f}% simulated (textbook (p-1)/(v*m): {tl.analytic_bubble * 100:.1f}%)",
-                 fontsize=10)
-    handles = [Patch(color=fcol[0], label="forward"), Patch(color=bcol[0], label="backward"),
-               Patch(color="#17becf", label="weight grad"), Patch(color="#eeeeee", label="idle = bubble")]
+    xlabel = "time (forward = 1 unit, backward = 2 units)"
+    if shown < m:
+        xlabel += (f"; {shown} of {m} micro-batches drawn: the steady state (each rank alternating F and B) "
+                   f"repeats for {m - shown} more, not drawn")
+    fit_text(fig, lambda t: ax.set_xlabel(t, fontsize=9), xlabel, 0.6)  # the axes is ~70% of the width
+    handles = [Patch(color=c, label=label) for c, label in used.items()]
+    handles.append(Patch(color=IDLE, label="idle = bubble"))
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
+    fit_title(fig, f"{schedule}, pp={p}, virtual stages={v}, micro-batches={m}: bubble "
+              f"{full.bubble_fraction * 100:.1f}% simulated (textbook (p-1)/(v*m): {full.analytic_bubble * 100:.1f}%)",
+              10)
     fig.tight_layout()
-    return _png(fig)
+    return fig
 
 
 def main(argv: list[str] | None = None) -> int:

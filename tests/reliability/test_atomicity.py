@@ -118,7 +118,7 @@ class Helper:
 
 
 def _check_config(project: Path, reported: list[int], in_flight: int) -> int:
-    cfg = load_config(project / "configs" / "shared.yaml")  # parses and validates: never half-written
+    cfg = load_config(project / "configs" / "local" / "shared.yaml")  # parses and validates: never half-written
     seed = cfg.train.seed
     last = reported[-1]
     assert seed in (last, in_flight), f"configs/shared.yaml holds seed {seed}; last reported {last}"
@@ -153,8 +153,8 @@ def test_update_config_survives_sigkill_at_any_point(project, helper):
     took = time.monotonic() - t0
     # the next writer cleans what killed writers left, and history still has every version
     update_config("shared", {"train.seed": seed + 1}, root=project)
-    assert not list((project / "configs").glob(".shared.yaml.*.tmp")), "stale temp files not cleaned"
-    assert not list((project / "configs" / ".history" / "shared").glob(".*.tmp"))
+    assert not list((project / "configs" / "local").glob(".shared.yaml.*.tmp")), "stale temp files not cleaned"
+    assert not list((project / "configs" / "local" / ".history" / "shared").glob(".*.tmp"))
     assert _check_config(project, [*reported, seed + 1], seed + 1) == seed + 1
     print(f"\natomicity figures: update_config killed {len(plan)} times ({kills['inside']} at a chosen step, "
           f"{kills['timer']} by a timer) in {took:.1f}s; {len(set(reported))} versions reported, none lost, "

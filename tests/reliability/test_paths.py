@@ -106,7 +106,8 @@ async def test_no_tool_or_resource_writes_or_reads_outside_the_project(walled):
 async def test_a_history_folder_symlinked_out_of_configs_is_refused_not_followed(walled):
     outer, project = walled
     (outer / "outside" / "hist").mkdir()
-    (project / "configs" / ".history").symlink_to(outer / "outside" / "hist")
+    (project / "configs" / "local").mkdir()
+    (project / "configs" / "local" / ".history").symlink_to(outer / "outside" / "hist")
     before = _snapshot(outer / "outside")
     async with Client(mcp, raise_exceptions=True) as c:
         r = await c.call_tool("update_config", {"name": "tiny", "changes": {"train.seed": 5}})
@@ -173,7 +174,7 @@ def test_configs_and_run_records_written_by_the_tools_are_0644(project):
         ledger.finish(rec.run_id, status="ok", metrics={"x": 1})
     finally:
         os.umask(old)
-    hist = next((project / "configs" / ".history" / "mine").glob("*.yaml"))
-    for p in (project / "configs" / "mine.yaml", hist, project / "runs" / rec.run_id / "config.yaml",
+    hist = next((project / "configs" / "local" / ".history" / "mine").glob("*.yaml"))
+    for p in (project / "configs" / "local" / "mine.yaml", hist, project / "runs" / rec.run_id / "config.yaml",
               project / "runs" / rec.run_id / "metrics.json"):
         assert stat.S_IMODE(p.stat().st_mode) == 0o644, (p, oct(p.stat().st_mode))

@@ -114,9 +114,9 @@ def _model_section(model: str | dict[str, Any], root: str | Path | None) -> tupl
 
     path = resolve_config_arg(str(model), root)
     if not path.is_file():
-        from curry_train.paths import configs_dir
+        from curry_train.paths import config_names
 
-        have = ", ".join(sorted(p.stem for p in configs_dir(root).glob("*.yaml")))
+        have = ", ".join(config_names(root))
         raise FileNotFoundError(f"no config {model!r}; available: {have or '(none)'}")
     raw = load_yaml(path)
     return path.stem, dict(raw.get("model") or {}), dict(raw.get("train") or {})

@@ -8,8 +8,8 @@ The seed's procedure, automated, one primitive per rung:
   -> apply its one-primitive patch with update_config -> bench -> white-box against one device -> record.
 It stops when the measurement fits, when parity fails (never stack a primitive on a broken one), when the advisor
 says only more GPUs help, or after --max-rungs. Every bench and white-box run is in the ledger; every version of
-the climb config is in configs/.history/. The table: rung, primitive, layout, the steps it trained, predicted vs
-measured per-rank bytes, step time, parity verdict.
+the climb config is in configs/local/.history/ (configs/local/ is ignored by the repository: paths.py). The
+table: rung, primitive, layout, the steps it trained, predicted vs measured per-rank bytes, step time, parity.
 
 One training run across the rungs: every rung's bench saves its state after its timed steps (model + AdamW,
 runs/<bench run>/checkpoints/step-NNNNNN, train/checkpoint.py) and the next rung resumes from it, resharded into
@@ -24,6 +24,7 @@ record); --keep-checkpoints keeps every rung's.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -34,7 +35,8 @@ from pydantic import BaseModel, Field
 from curry_train.config import ConfigError, Problem
 from curry_train.measure.bench import DeviceLock
 from curry_train.measure.preflight import cpu_rank_cap
-from curry_train.paths import configs_dir, resolve_config_arg, runs_dir
+from curry_train.paths import configs_dir, resolve_config_arg, runs_dir, written_dir
+from curry_train.train.launch import LaunchError
 
 WHITEBOX_STEPS = None  # whitebox.default_steps: two updates at least (a wrong optimizer step shows in the second),
 # through the end of a short lr warm-up
@@ -143,8 +145,12 @@ def _delete_checkpoint(g: Rung, root: str | Path | None) -> None:
 
 def climb(config: str, memory_budget: int, *, overrides: dict[str, Any] | None = None, name: str | None = None,
           steps: int = 3, max_rungs: int = 8, root: str | Path | None = None, timeout: float = 900.0,
-          log: Callable[[str], None] | None = None, keep_checkpoints: bool = False) -> ClimbReport:
-    """Walk the ladder from `config` (a name in configs/ or a YAML file there) until `memory_budget` bytes fit."""
+          log: Callable[[str], None] | None = None, keep_checkpoints: bool = False,
+          cancel: threading.Event | None = None) -> ClimbReport:
+    """Walk the ladder from `config` (a name in configs/ or a YAML file there) until `memory_budget` bytes fit.
+
+    `cancel` (the MCP tool's worker sets it on SIGTERM) stops the launch in flight, whose launcher kills its ranks'
+    process group, and any rung not yet started: a LaunchError("cancelled ...")."""
     from curry_train.measure import service
     from curry_train.measure.bench import bench
     from curry_train.measure.hardware import local_hardware
@@ -155,7 +161,7 @@ def climb(config: str, memory_budget: int, *, overrides: dict[str, Any] | None =
         raise ValueError("--memory-budget is bytes per rank and must be positive")
     t0 = time.perf_counter()
     path = resolve_config_arg(config, root)
-    if path.resolve().parent != configs_dir(root).resolve():
+    if path.resolve().parent not in (configs_dir(root).resolve(), written_dir(root).resolve()):
         raise ValueError(f"{config}: the climb writes its rungs next to the base, so the base must be in "
                          f"{configs_dir(root)}")
     base = path.stem
@@ -168,14 +174,16 @@ def climb(config: str, memory_budget: int, *, overrides: dict[str, Any] | None =
     probe = local_hardware()  # NVML and torch's files: no torch import, cached
     changes = {**(overrides or {}), **_machine_changes(base_cfg, memory_budget, probe)}
     update_config(name, changes, base=base, root=root)
-    say(f"wrote configs/{name}.yaml from {base}: {changes}")
+    say(f"wrote configs/local/{name}.yaml from {base}: {changes}")
     device = "cuda" if probe.gpu_count else "cpu"
 
     rungs: list[Rung] = []
     lock = DeviceLock(root)
 
     def locked(fn: Callable[[], Any]) -> Any:
-        lock.acquire(timeout=timeout, on_wait=say)
+        if cancel is not None and cancel.is_set():
+            raise LaunchError(f"cancelled: the climb stopped after {len(rungs)} rung(s)")
+        lock.acquire(timeout=timeout, on_wait=say, cancel=cancel)
         try:
             return fn()
         finally:
@@ -186,7 +194,7 @@ def climb(config: str, memory_budget: int, *, overrides: dict[str, Any] | None =
         say(f"rung {rung}: bench {name} ({primitive})" + (f", resuming {ck}" if ck else ""))
         try:
             b = locked(lambda: bench(name, steps=steps, warmup=1, root=root, timeout=timeout, progress=say,
-                                     resume=ck, save_checkpoint=True))
+                                     resume=ck, save_checkpoint=True, cancel=cancel))
         except ConfigError as e:
             if not ck:
                 raise
@@ -202,7 +210,8 @@ def climb(config: str, memory_budget: int, *, overrides: dict[str, Any] | None =
             parity = "ref"  # the single-device baseline is the reference itself
         else:
             say(f"rung {rung}: white-box {name} against one device")
-            v = locked(lambda: service.whitebox(name, steps=WHITEBOX_STEPS, root=root, timeout=timeout))
+            v = locked(lambda: service.whitebox(name, steps=WHITEBOX_STEPS, root=root, timeout=timeout,
+                                                cancel=cancel))
             parity, wb_run = ("passed" if v.passed else "FAILED"), v.run_id
         fits = not b.oom and b.peak_memory_bytes <= memory_budget
         g = Rung(rung=rung, primitive=primitive, reason=reason, patch=patch, parallel=b.parallel,

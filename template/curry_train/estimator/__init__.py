@@ -335,9 +335,9 @@ def load_any(config: str | Path | dict[str, Any] | Config, overrides: dict[str, 
 
     path = resolve_config_arg(str(config), root)
     if not path.is_file():
-        from curry_train.paths import configs_dir
+        from curry_train.paths import config_names
 
-        have = ", ".join(sorted(p.stem for p in configs_dir(root).glob("*.yaml")))
+        have = ", ".join(config_names(root))
         raise FileNotFoundError(f"no config {str(config)!r}; available: {have or '(none)'}")
     return from_dict(load_yaml(path), overrides, validate=validate)
 

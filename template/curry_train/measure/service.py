@@ -22,9 +22,9 @@ def resolve(config: str, overrides: dict[str, Any] | None = None, root: str | Pa
     """(validated config, config name) for a name in configs/ or a YAML path; raises ConfigError / FileNotFoundError."""
     path = resolve_config_arg(config, root)
     if not path.is_file():
-        from curry_train.paths import configs_dir
+        from curry_train.paths import config_names
 
-        names = sorted(p.stem for p in configs_dir(root).glob("*.yaml"))
+        names = config_names(root)
         raise FileNotFoundError(f"no config {config!r}; available: {', '.join(names) or '(none)'}")
     cfg = load_config(path, overrides)
     if cfg.data.path:  # ranks may start elsewhere: pass an absolute path; a bad file fails here, before a launch

@@ -2,9 +2,11 @@
 
     curry-train update-config tiny-dp2 --base tiny --set parallel.dp=2 --json
 
-`update_config(name, changes, base=None)` starts from configs/<base>.yaml (or the current configs/<name>.yaml),
-applies dotted `changes`, validates the whole config (ConfigError -> nothing is written), saves the version it
-replaces under configs/.history/<name>/<UTC time>.yaml, then writes configs/<name>.yaml by write-then-rename.
+`update_config(name, changes, base=None)` starts from config `base` (or the current config `name`), applies dotted
+`changes`, validates the whole config (ConfigError -> nothing is written), saves the version it replaces under
+configs/local/.history/<name>/<UTC time>.yaml, then writes configs/local/<name>.yaml by write-then-rename. The
+shipped presets in configs/ are never written (curry_train/paths.py: configs/local/ is ignored by the repository,
+so a climb leaves the checkout clean); updating a preset's name writes configs/local/<name>.yaml, which shadows it.
 Writers of the same name are serialised by an advisory lock, so two concurrent updates never lose one another.
 """
 
@@ -22,7 +24,7 @@ from pydantic import BaseModel, Field
 
 from curry_train.breakdown import JsonValue
 from curry_train.config import ConfigError, Problem, dump_yaml, flatten, from_dict, load_yaml
-from curry_train.paths import _inside, atomic_write_text, config_path, configs_dir
+from curry_train.paths import _inside, atomic_write_text, config_names, config_path, written_config_path, written_dir
 
 
 class ConfigChange(BaseModel):
@@ -33,8 +35,8 @@ class ConfigChange(BaseModel):
 
 class ConfigUpdate(BaseModel):
     name: str
-    path: str = Field(description="The file written (configs/<name>.yaml).")
-    created: bool = Field(description="True when configs/<name>.yaml did not exist before.")
+    path: str = Field(description="The file written (configs/local/<name>.yaml).")
+    created: bool = Field(description="True when configs/local/<name>.yaml did not exist before.")
     written: bool = Field(description="False when the changes left the config as it was (nothing written).")
     base: str | None = Field(description="The config the changes were applied to.")
     previous_version: str | None = Field(None, description="Where the replaced version was saved (history).")
@@ -44,7 +46,7 @@ class ConfigUpdate(BaseModel):
 
 
 def available(root: str | Path | None = None) -> list[str]:
-    return sorted(p.stem for p in configs_dir(root).glob("*.yaml"))
+    return config_names(root)
 
 
 def _missing(name: str, root: str | Path | None) -> FileNotFoundError:
@@ -52,21 +54,20 @@ def _missing(name: str, root: str | Path | None) -> FileNotFoundError:
 
 
 def history_dir(name: str, root: str | Path | None = None) -> Path:
-    config_path(name, root)  # validates the name
-    stem = name.removesuffix(".yaml")
-    # a .history (or .history/<name>) symlinked out of configs/ must not carry writes elsewhere
-    return _inside(configs_dir(root) / ".history" / stem, configs_dir(root))
+    stem = written_config_path(name, root).stem  # validates the name
+    # a .history (or .history/<name>) symlinked out of configs/local/ must not carry writes elsewhere
+    return _inside(written_dir(root) / ".history" / stem, written_dir(root))
 
 
 def history(name: str, root: str | Path | None = None) -> list[Path]:
-    """Saved previous versions of configs/<name>.yaml, oldest first."""
+    """Saved previous versions of configs/local/<name>.yaml, oldest first."""
     d = history_dir(name, root)
     return sorted(d.glob("*.yaml")) if d.is_dir() else []
 
 
 @contextlib.contextmanager
 def _locked(name: str, root: str | Path | None) -> Iterator[None]:
-    d = _inside(configs_dir(root) / ".history", configs_dir(root))
+    d = _inside(written_dir(root) / ".history", written_dir(root))
     d.mkdir(parents=True, exist_ok=True)
     with open(d / f".{history_dir(name, root).name}.lock", "a+") as f:
         fcntl.flock(f.fileno(), fcntl.LOCK_EX)
@@ -122,11 +123,11 @@ def _flat_existing(path: Path) -> dict[str, Any]:
 
 def update_config(name: str, changes: dict[str, Any] | None, base: str | None = None, *,
                   root: str | Path | None = None, base_raw: dict[str, Any] | None = None) -> ConfigUpdate:
-    """Validate `base` (or the current `name`) + `changes`, then atomically write configs/<name>.yaml.
+    """Validate `base` (or the current `name`) + `changes`, then atomically write configs/local/<name>.yaml.
 
     `base_raw` is a base that is no file (a config imported from elsewhere, store/hf_import.py): the changes
     apply to it, and `base` is then only the label the header and the result name it by."""
-    target = config_path(name, root)
+    target = written_config_path(name, root)
     name = target.stem
     if base_raw is not None:
         base_path, base = None, base or "<given>"
@@ -135,8 +136,8 @@ def update_config(name: str, changes: dict[str, Any] | None, base: str | None = 
         if not base_path.is_file():
             raise _missing(base, root)
         base = base_path.stem
-    elif target.is_file():
-        base_path, base = target, name
+    elif config_path(name, root).is_file():  # the written config, else the preset it will shadow
+        base_path, base = config_path(name, root), name
     else:
         raise FileNotFoundError(f"no config {name!r} to update; pass base (one of: {', '.join(available(root))}) "
                                 "to create it from an existing config")

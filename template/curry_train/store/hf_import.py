@@ -5,7 +5,7 @@
 `import_hf_config(path_or_json, name)` reads a config.json (a file, a folder holding one, or the JSON text itself;
 never the network) of the Llama, Mistral, Mixtral, Qwen2, Gemma or DeepSeek-V3 family (`model_type`), maps its
 fields onto the model section (store/hf_families.py holds the map and the differences), and writes
-configs/<name>.yaml through `update_config` (validated, atomic, the replaced version kept in history). Anything
+configs/local/<name>.yaml through `update_config` (validated, atomic, the replaced version kept in history). Anything
 the template cannot express is refused field by field (ConfigError, nothing written): a structural difference
 always (MLA, shared experts, dense first layers, a tied head, another head_dim), a behavioural one (biases,
 sliding window beyond seq_len, RoPE scaling, another activation, an unknown field) unless named in `accept`,
@@ -39,7 +39,7 @@ DEFAULT_SEQ_LEN = 4096  # the sequence length an import trains when none is give
 
 class HfImport(BaseModel):
     name: str
-    path: str = Field(description="The config file written (configs/<name>.yaml).")
+    path: str = Field(description="The config file written (configs/local/<name>.yaml).")
     model_type: str = Field(description="The config.json's model_type (its family).")
     mapped: dict[str, str] = Field(description="config.json field -> config key it set.")
     defaults_taken: dict[str, Any] = Field(description="Fields absent from config.json that took their "
@@ -49,7 +49,7 @@ class HfImport(BaseModel):
     param_count: int = Field(description="Parameters of the written config, as estimate_memory counts them.")
     param_count_of_accepted: int = Field(description="Parameters the accepted differences account for: the "
                                                      "config.json's model has param_count + this many.")
-    created: bool = Field(description="True when configs/<name>.yaml did not exist before.")
+    created: bool = Field(description="True when configs/local/<name>.yaml did not exist before.")
     previous_version: str | None = Field(None, description="Where the replaced version was saved (history).")
     config: dict[str, Any] = Field(description="The resolved config now in the file.")
 
@@ -110,7 +110,7 @@ def _mapping(raw: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str], dict[
 
 def import_hf_config(path_or_json: str, name: str, *, accept: list[str] | None = None, seq_len: int | None = None,
                      root: str | Path | None = None) -> HfImport:
-    """Map a Hugging Face config.json onto a new or updated configs/<name>.yaml; refuse what does not map."""
+    """Map a Hugging Face config.json onto a new or updated configs/local/<name>.yaml; refuse what does not map."""
     raw = normalise(read_hf_json(path_or_json))
     family = raw.get("model_type")
     if family not in FAMILIES:
