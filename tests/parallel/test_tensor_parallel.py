@@ -90,8 +90,9 @@ def test_the_plan_shards_columns_rows_vocab_and_replicates_sp_norms():
     assert layout["norm.weight"] == ("Replicate()", (64,))
 
 
-def test_ddp_with_tp_is_refused_with_the_fsdp_fix():
+def test_ddp_with_tp_is_refused_with_the_distributed_optimizer_fix():
     with pytest.raises(ConfigError) as e:
-        load_config(TINY, {"parallel.dp": 2, "parallel.tp": 2, "parallel.zero": 1})
-    assert any("parallel.zero=2 or 3" in p.fix for p in e.value.problems)
-    load_config(TINY, {"parallel.dp": 2, "parallel.tp": 2, "parallel.zero": 2})  # the fix validates
+        load_config(TINY, {"parallel.dp": 2, "parallel.tp": 2, "parallel.zero": 0})
+    assert any("parallel.zero=1 with tp" in p.fix for p in e.value.problems)
+    for zero in (1, 2):  # the fix validates: Megatron's distributed optimizer, or ZeRO-2
+        load_config(TINY, {"parallel.dp": 2, "parallel.tp": 2, "parallel.zero": zero})

@@ -214,7 +214,7 @@ DEFECTS = {
     "bench": [("config", "../configs/tiny"), ("config", "nope"), ("config", "tiny\n"), ("steps", 0), ("steps", "x"),
               ("warmup", 101), ("overrides", {"parallel.nope": 1}), ("overrides", {"parallel.tp": 3}),
               ("overrides", [1]), ("timeout_s", 0), ("timeout_s", -5), ("stepz", 3)],
-    "whitebox_compare": [("config", "/etc/passwd"), ("config", "con"), ("steps", 51), ("steps", None),
+    "whitebox_compare": [("config", "/etc/passwd"), ("config", "con"), ("steps", 51), ("steps", 0),
                          ("overrides", {"parallel.dp": 0}), ("timeout_s", "soon"), ("stepz", 1),
                          ("inject", "nope"), ("inject", "ep-expert-unreduced"), ("inject", 3)],
     "plan": [("model", "../x"), ("gpus_per_node", 0), ("nodes", -1), ("gpu_memory_gib", 0), ("seq_len", 1),

@@ -18,6 +18,7 @@ from typing import Any
 import anyio
 import pytest
 from curry_train.config import load_config
+from curry_train.paths import written_config_path
 from curry_train.store.runs import Ledger
 from curry_train_mcp.server import mcp
 from mcp import Client
@@ -128,7 +129,7 @@ async def test_benches_serialise_on_the_device_lock_while_cheap_tools_stay_fast_
     for name, seed in writes:
         last[name] = seed
     for name, seed in last.items():
-        assert load_config(project / "configs" / f"{name}.yaml").train.seed == seed
+        assert load_config(written_config_path(name, project)).train.seed == seed  # configs/local/
     # responsiveness while the device was busy
     bench_wall = window["end"] - window["start"]
     assert len(during) >= 20, f"only {len(during)} cheap calls completed while the benches ran"
