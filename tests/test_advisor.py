@@ -174,7 +174,8 @@ def test_slow_weighs_every_lever_with_numbers_and_names_refusals_as_such():
     # vocabulary blocks every TP size, and the refusal carries Megatron's padding
     r = recommend_next("llama3-8b", "slow", {"hardware.nodes": 16, "hardware.gpus_per_node": 2, "parallel.dp": 32,
                                              "train.seq_len": 4096, "model.vocab_size": 50257})
-    assert r.action == "add" and r.step_time_after_s < r.step_time_before_s
+    # the faster answer may be a removal (full recompute off at micro-batch 2: -30%): "slow" weighs every lever
+    assert r.action in ("add", "remove") and r.step_time_after_s < r.step_time_before_s
     tp = [x for x in r.rejected if x.startswith("tp: refused by the config rules")]
     assert tp and "model.vocab_size" in tp[0] and "Fix:" in tp[0] and "pad model.vocab_size 50257" in tp[0]
     assert not any("no pipeline split" in x or "does not fit" in x for x in r.rejected)

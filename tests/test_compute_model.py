@@ -77,5 +77,6 @@ def test_the_benchmark_prints_every_row_and_a_json_line(capsys):
     out = capsys.readouterr().out.strip().splitlines()
     last = json.loads(out[-1])
     assert last["rows"] >= 16 and last["worst_rel_error"] <= 0.15
-    assert sum(line.startswith(("megatron-", "bloom", "opt", "mt-nlg", "titan-")) for line in out) == last["rows"]
+    prefixes = ("megatron-", "bloom", "opt", "mt-nlg", "fsdp-", "titan-")
+    assert sum(line.startswith(prefixes) for line in out) == last["rows"]
     assert all(("eq3" in line) or ("tokens" in line) for line in out[1:-1])  # each row states its convention

@@ -6,10 +6,14 @@ alpha-beta times per link (intra vs inter node), then the step:
             bubble of the schedule's real action order (estimator/makespan.py: bubble_ratio, simulated or its
             verified closed form) times the mean rank's compute.
   exposed   collectives on one link share it: their times add. Each hides only behind the compute it can
-            overlap (FSDP's prefetched all-gathers: forward + backward; reduce-scatters: backward; DDP's buckets:
-            the last micro-batch's backward; CP's ring: the attention blocks), and collectives hiding behind the
-            same compute share that budget: per link, exposed >= (sum of their times) - (the compute they can
-            overlap). TP's, EP's and the pipeline's fill/drain transfers sit on the critical path.
+            overlap (FSDP's prefetched all-gathers: the forward's behind the forward, the backward's behind the
+            backward; reduce-scatters: backward; DDP's buckets: the last micro-batch's backward; CP's ring: the
+            attention blocks), and collectives hiding behind the same compute share that budget: per link,
+            exposed >= (sum of their times) - (the compute they can overlap). TP's, EP's and the pipeline's
+            fill/drain transfers sit on the critical path, and so do FSDP's first gather and last reduce-scatter
+            of each micro-batch (nothing runs before or after them to hide behind).
+  contention  a hidden collective is not free: its kernels take SMs and HBM bandwidth from the compute it
+            overlaps, which runs OVERLAP_SLOWDOWN slower meanwhile (`_expose`).
   step      = pipeline makespan + exposed communication + optimizer step (memory-bound).
 """
 
@@ -38,7 +42,12 @@ from curry_train.wrapping import shards_optimizer_only
 
 FIRST_BUCKET_BYTES = 1 * 2**20  # DDP's first bucket; later ones are 25 MiB
 BUCKET_BYTES = 25 * 2**20
-OVERLAP_EFFICIENCY = 0.9  # share of the overlappable compute a collective really hides behind (kernel contention)
+# Compute that overlaps a collective runs 18.9% slower on average (max 40%): Lee et al. 2025, "Characterizing
+# Compute-Communication Overlap in GPU-Accelerated Distributed Deep Learning" (arXiv:2507.03114), GPT and Llama
+# training on A100, H100, MI250 and MI210. The cause is the collective's own kernels: NCCL runs one CTA per
+# channel on an SM of its own, never shared with a compute kernel (16 of an A100's 108 SMs at a DGX's 190 GB/s,
+# NVIDIA/nccl issue 689: 15%), and its copies read and write HBM two to three times per byte sent (issue 1428).
+OVERLAP_SLOWDOWN = 0.189
 
 
 class CommItem(BaseModel):
@@ -108,10 +117,11 @@ def _coll_time(hw: HardwareProfile, kind: str, n: int, nbytes: float, calls: int
 
 # the compute windows a collective can hide behind; `_WINDOW_SETS` are the groups that must share one window
 # (nested: a collective allowed in a smaller window is also counted against every larger one)
-_WINDOWS = ("bwd_last", "bwd", "attn", "all")
-_WINDOW_SETS = (("bwd_last",), ("bwd_last", "bwd"), ("attn",), ("bwd_last", "bwd", "attn", "all"))
-_WINDOW_WORDS = {"bwd_last": "last micro-batch backward", "bwd": "backward", "attn": "attention",
-                 "all": "forward+backward", None: "none"}
+_WINDOWS = ("bwd_last", "bwd", "fwd_first", "fwd", "attn", "all")
+_WINDOW_SETS = (("bwd_last",), ("bwd_last", "bwd"), ("fwd_first",), ("fwd_first", "fwd"), ("attn",),
+                ("bwd_last", "bwd", "fwd_first", "fwd", "attn", "all"))
+_WINDOW_WORDS = {"bwd_last": "last micro-batch backward", "bwd": "backward", "fwd_first": "first micro-batch forward",
+                 "fwd": "forward", "attn": "attention", "all": "forward+backward", None: "none"}
 
 
 def _comm(layout: Layout, hw: HardwareProfile, t_compute: float) -> list[CommItem]:
@@ -181,7 +191,7 @@ def _comm(layout: Layout, hw: HardwareProfile, t_compute: float) -> list[CommIte
         add("ep", "all_to_all", layout.ep, nbytes, 4 * layers * m,
             _span_link(layout, layout.ep, layout.cp * layout.tp), None,
             rails=_rails(layout, layout.ep, layout.cp * layout.tp))
-    return _expose(entries, t_compute, m)
+    return _expose(entries, t_compute, m, 3 / 4 if layout.recompute == "full" else 2 / 3)
 
 
 def _fsdp(layout: Layout, units: int, layers: int, add) -> None:
@@ -200,29 +210,48 @@ def _fsdp(layout: Layout, units: int, layers: int, add) -> None:
     n_units = layers + 1
     if layout.pp > 1:
         gathers, ag_window = (m + 1, "all") if layout.zero == 3 else (1, "bwd_last")
-        syncs, rs_window = 1, "bwd_last"
-    elif layout.fsdp_holds_units:  # fsdp.holds_step: one all-gather per step; ZeRO-1 also reduces once
-        gathers, ag_window = 1, "all"
+        add("fsdp", "all_gather", shard, units * gathers, n_units * gathers, link, ag_window, rails=rails)
+        syncs, rs_window, first = 1, "bwd_last", 0.0
+    elif layout.fsdp_holds_units:
+        # fsdp.holds_step: the units are gathered once per step, in the first micro-batch's forward (prefetched
+        # one unit ahead, the first unit exposed), and stay gathered; ZeRO-1 reduce-scatters once, in the last
+        # micro-batch's backward, kept zero-2 units every micro-batch
+        first = 1.0 / n_units
+        add("fsdp", "all_gather", shard, units, n_units, link, "fwd_first", critical=first, rails=rails)
         syncs, rs_window = (1, "bwd_last") if layout.fsdp_defers_reduce else (m, "bwd")
     else:
-        gathers, ag_window = (2 if layout.zero == 3 else 1) * m, "all"
+        # FSDP2 prefetches one unit ahead in the order it runs (fully_shard's implicit prefetch), so a forward's
+        # gathers hide behind that forward and a backward's behind that backward; the first unit of each pass
+        # (the root's, embedding first in forward and head first in backward; parallel/fsdp.py reshards it after
+        # forward too under zero 3) and the last reduce-scatter (the root's, after the embedding's backward)
+        # wait with nothing to overlap
+        # (Zhao et al. 2023, "PyTorch FSDP", arXiv:2304.11277, sec. 3.3: 1 of n_units of each)
+        first = 1.0 / n_units
+        add("fsdp", "all_gather", shard, units * m, n_units * m, link, "fwd", critical=first, rails=rails)
+        if layout.zero == 3:
+            add("fsdp", "all_gather", shard, units * m, n_units * m, link, "bwd", critical=first, rails=rails)
         syncs, rs_window = m, "bwd"
     # the shard group's collectives are FSDP's own; HSDP adds the replica all-reduce
-    add("fsdp", "all_gather", shard, units * gathers, n_units * gathers, link, ag_window, rails=rails)
-    add("fsdp", "reduce_scatter", shard, 4 * units // cb * syncs, n_units * syncs, link, rs_window, rails=rails)
+    add("fsdp", "reduce_scatter", shard, 4 * units // cb * syncs, n_units * syncs, link, rs_window,
+        critical=first, rails=rails)
     if r > 1:
         add("hsdp", "all_reduce", r, 4 * units // cb // shard * syncs, n_units * syncs,
             _span_link(layout, r, shard * layout.tp), rs_window, rails=_rails(layout, r, shard * layout.tp))
 
 
-def _expose(entries: list[tuple[dict, str | None, float]], t_compute: float, m: int) -> list[CommItem]:
+def _expose(entries: list[tuple[dict, str | None, float]], t_compute: float, m: int,
+            bwd_share: float = 2 / 3) -> list[CommItem]:
     """Per link: critical-path collectives are exposed in full; the others share the compute they can hide
-    behind, so the exposed part is the largest (sum of times - window) over the nested window groups, split
-    over that group's collectives in proportion to their time."""
-    t_bwd = t_compute * 2 / 3
-    size = {"bwd_last": t_bwd / max(m, 1), "bwd": t_bwd, "attn": 0.3 * t_compute, "all": t_compute}
-    size = {k: v * OVERLAP_EFFICIENCY for k, v in size.items()}
-    exposed = [e[0]["time_s"] * e[2] if e[1] else e[0]["time_s"] for e in entries]
+    behind. Compute overlapping a collective of time C runs 1 + s slower (OVERLAP_SLOWDOWN), so behind a window
+    of W seconds of compute the pair takes max(W + k C, C) with k = s / (1 + s): every hidden collective costs
+    k of its time, and a window group costs the largest max(0, (1 - k) (sum of times) - window) over the
+    nested groups besides, split over that group's collectives in proportion to their time. `bwd_share`: the
+    backward's part of the compute (2/3; 3/4 under full recompute, whose forward replay runs in backward)."""
+    t_bwd = t_compute * bwd_share
+    size = {"bwd_last": t_bwd / max(m, 1), "bwd": t_bwd, "fwd_first": (t_compute - t_bwd) / max(m, 1),
+            "fwd": t_compute - t_bwd, "attn": 0.3 * t_compute, "all": t_compute}
+    k = OVERLAP_SLOWDOWN / (1 + OVERLAP_SLOWDOWN)
+    exposed = [e[0]["time_s"] * (e[2] + k * (1 - e[2])) if e[1] else e[0]["time_s"] for e in entries]
     for link in {e[0]["link"] for e in entries}:
         idx = [i for i, e in enumerate(entries) if e[0]["link"] == link and e[1]]
         if not idx:
@@ -231,7 +260,7 @@ def _expose(entries: list[tuple[dict, str | None, float]], t_compute: float, m: 
         worst, group = 0.0, []
         for names in _WINDOW_SETS:
             members = [i for i in idx if entries[i][1] in names]
-            over = sum(hide[i] for i in members) - size[names[-1]]
+            over = (1 - k) * sum(hide[i] for i in members) - size[names[-1]]
             if members and over > worst:
                 worst, group = over, members
         total = sum(hide[i] for i in group)
