@@ -209,3 +209,11 @@ def test_recommend_next_and_plan_never_disagree_on_any_preset():
                 after = load_any(cfg, r.config_patch, validate=False)
                 new = {a.id for a in anti_patterns(after)} - {a.id for a in anti_patterns(cfg)}
                 assert not new, (f.stem, symptom, r.config_patch, new)
+
+
+def test_megatrons_1t_plans_its_published_tp_and_pp():
+    # Narayanan et al. 2021, Table 1: 1T on 3,072 A100-80 as TP 8 x PP 64 x DP 6 with the distributed optimizer.
+    # Its row sits inside the estimator's error band of the limit and is > 10% faster than every clean row
+    # outside it, so it is final (advice/search.choose; rows with an anti-pattern are no alternative to it)
+    p = plan("megatron-1t", 8, 384, 80.0, 2048, 3072, gpu="A100-80", micro_batch=1, search_micro_batch=True)
+    assert (p.final["tp"], p.final["pp"], p.final["dp"], p.final["zero"]) == (8, 64, 6, 1)

@@ -248,10 +248,12 @@ def choose(rows: list[Row], world: int, edge: float | None = None,
     one, preferring rows that use every GPU; without a clean row, the fitting row with the fewest anti-patterns.
     Rows whose peak is above `edge` (inside the estimator's error band of the limit) stay candidates only when no
     other row is left, or when they are below `floor` (headroom above the largest error measured) and more than
-    WITHIN faster than every row outside the band (the planner's tie band: a gain that size is worth a measurement;
-    planner.py then says to measure before committing)."""
+    WITHIN faster than every row outside the band that could be final (the clean ones, or all when none is
+    clean: a row with an anti-pattern is no alternative to choose instead; the planner's tie band: a gain that
+    size is worth a measurement; planner.py then says to measure before committing)."""
     if edge is not None and any(r.total <= edge for r in rows):
-        outside = min(r.step_s for r in rows if r.total <= edge)
+        safe = [r for r in rows if r.total <= edge]
+        outside = min(r.step_s for r in ([r for r in safe if not r.anti] or safe))
         top = edge if floor is None else floor
         rows = [r for r in rows if r.total <= edge or (r.total <= top and r.step_s < outside * (1 - WITHIN))]
     clean = [r for r in rows if not r.anti]
