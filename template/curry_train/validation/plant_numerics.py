@@ -11,7 +11,7 @@ import torch
 
 from curry_train.config import Config
 from curry_train.validation.inject import InjectionError
-from curry_train.validation.planting import Planted, _patch, _rank
+from curry_train.validation.planting import Planted, _patch, hook_on_rank1
 
 
 def lr_warmup_restart(stack, cfg: Config, target: str | None) -> Planted:
@@ -32,17 +32,7 @@ def mid_layer_forward(stack, cfg: Config, target: str | None) -> Planted:
     forward activations can say where it starts."""
     name = target or f"layers.{cfg.model.n_layers // 2}"
 
-    def after(par: Any) -> None:
-        from curry_train.parallel.parallelize import canonical_name
-
-        if _rank() != 1:
-            return
-        for part in par.parts:
-            for n, m in part.named_modules():
-                if canonical_name(n) == name:
-                    m.register_forward_hook(lambda mod, args, out: out * 1.001)
-
-    return Planted(after_setup=after)
+    return Planted(after_setup=lambda par: hook_on_rank1(par, name, lambda mod, args, out: out * 1.001))
 
 
 def cp_loss_unreduced(stack, cfg: Config, target: str | None) -> Planted:
@@ -106,17 +96,7 @@ def tp_partial_sum_1pct(stack, cfg: Config, target: str | None) -> Planted:
             return DTensor.from_local(out.to_local() * 1.01, out.device_mesh, out.placements, run_check=False)
         raise InjectionError(f"tp-partial-sum-1pct: {name}'s output is not a Partial DTensor here ({type(out)})")
 
-    def after(par: Any) -> None:
-        from curry_train.parallel.parallelize import canonical_name
-
-        if _rank() != 1:
-            return
-        for part in par.parts:
-            for n, m in part.named_modules():
-                if canonical_name(n) == name:
-                    m.register_forward_hook(scale_partial, prepend=True)
-
-    return Planted(after_setup=after)
+    return Planted(after_setup=lambda par: hook_on_rank1(par, name, scale_partial, prepend=True))
 
 
 PLANTERS = {

@@ -28,3 +28,15 @@ def _rank() -> int:
     import torch.distributed as dist
 
     return dist.get_rank() if dist.is_initialized() else 0
+
+
+def hook_on_rank1(par: Any, name: str, hook: Callable[..., Any], prepend: bool = False) -> None:
+    """Register a forward hook on rank 1's module whose canonical (wrapper-free) name is `name`."""
+    from curry_train.parallel.parallelize import canonical_name
+
+    if _rank() != 1:
+        return
+    for part in par.parts:
+        for n, m in part.named_modules():
+            if canonical_name(n) == name:
+                m.register_forward_hook(hook, prepend=prepend)
