@@ -46,7 +46,8 @@ BUCKET_BYTES = 25 * 2**20
 # Compute-Communication Overlap in GPU-Accelerated Distributed Deep Learning" (arXiv:2507.03114), GPT and Llama
 # training on A100, H100, MI250 and MI210. The cause is the collective's own kernels: NCCL runs one CTA per
 # channel on an SM of its own, never shared with a compute kernel (16 of an A100's 108 SMs at a DGX's 190 GB/s,
-# NVIDIA/nccl issue 689: 15%), and its copies read and write HBM two to three times per byte sent (issue 1428).
+# github.com/NVIDIA/nccl/issues/689: 15%), and its copies read and write HBM two to three times per byte sent
+# (github.com/NVIDIA/nccl/issues/1428).
 OVERLAP_SLOWDOWN = 0.189
 
 
