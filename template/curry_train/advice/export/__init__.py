@@ -13,7 +13,7 @@ megatron.py, deepspeed.py, accelerate.py); none of them imports the target.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, Field
 
@@ -24,7 +24,7 @@ from curry_train.estimator import Estimate, estimate
 from curry_train.paths import resolve_config_arg
 
 Framework = Literal["torchtitan", "megatron", "deepspeed", "accelerate"]
-FRAMEWORKS: tuple[str, ...] = ("torchtitan", "megatron", "deepspeed", "accelerate")
+FRAMEWORKS: tuple[str, ...] = get_args(Framework)
 
 
 class LayoutExport(BaseModel):

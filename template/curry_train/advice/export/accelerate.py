@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import yaml
 
+from curry_train.advice.beyond import FULL_ADAMW_B  # this template's AdamW model states per parameter
 from curry_train.advice.export.common import Rendered, dp_shard_group
 from curry_train.config import Config
 from curry_train.estimator import Estimate
@@ -50,7 +51,7 @@ def render(cfg: Config, est: Estimate) -> Rendered:
                 "parallelism_config_tp_size": p.tp, "parallelism_config_cp_size": p.cp}
     sharded = out["distributed_type"] == "FSDP"
     return Rendered(format="yaml", filename="accelerate_fsdp.yaml", text=yaml.safe_dump(out, sort_keys=False),
-                    bytes_per_param=16 / dp_shard_group(cfg) if sharded else 16.0,
+                    bytes_per_param=FULL_ADAMW_B / dp_shard_group(cfg) if sharded else FULL_ADAMW_B,
                     source="FSDP2 over the shard group: fp32 params 4 + grads 4 + AdamW 8" if sharded else
                     "DDP: fp32 params 4 + grads 4 + AdamW 8, replicated", not_expressed=gaps,
                     memory=["a script that loads the model in bf16 (torch_dtype=bfloat16) shards bf16 params, "

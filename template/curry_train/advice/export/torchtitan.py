@@ -11,6 +11,7 @@ state, 16 B per parameter over the shard group.
 
 from __future__ import annotations
 
+from curry_train.advice.beyond import FULL_ADAMW_B  # this template's AdamW model states per parameter
 from curry_train.advice.export.common import Rendered, dp_shard_group, toml_text
 from curry_train.config import Config
 from curry_train.estimator import Estimate
@@ -84,7 +85,7 @@ def render(cfg: Config, est: Estimate) -> Rendered:
     header = (f"torchtitan job config (v0.2.x TOML; 0.3: the same keys as --<section>.<key> overrides),\n"
               f"exported by curry-train from this layout: {p.model_dump()}")
     return Rendered(format="toml", filename="torchtitan.toml", text=toml_text(sections, header),
-                    bytes_per_param=16 / max(dp_shard_group(cfg), 1) if p.zero >= 1 else 16.0,
+                    bytes_per_param=FULL_ADAMW_B / max(dp_shard_group(cfg), 1) if p.zero >= 1 else FULL_ADAMW_B,
                     source="FSDP2 with bf16 compute: fp32 params 4 + grads 4 + AdamW 8, over the shard group",
                     not_expressed=gaps,
                     memory=["compile.enable = false as here; torch.compile (and async TP with it) lowers "
