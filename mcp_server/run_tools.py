@@ -71,6 +71,9 @@ async def bench(
     overrides: Overrides = {},  # noqa: B006 - never mutated; shows as {} in the schema
     plot: Plot = False,
     timeout_s: TimeoutS = 900.0,
+    micro_batches: Annotated[int | None, Field(ge=1, le=4096, description="Micro-batches per rank in each benched "
+                                               "step, the layout unchanged (default: 2, or the whole step under a "
+                                               "pipeline).")] = None,
 ) -> Annotated[CallToolResult, BenchResult]:
     """Run the config on this machine (world_size = dp*tp*pp*cp ranks through torchrun) and measure it: median
     step time, tokens/s, per-rank peak memory in the estimator's categories (params, param_copies, grads,
@@ -80,8 +83,8 @@ async def bench(
     CPU machine) is refused at once with what this machine has; ask plan / estimate_memory about it instead."""
     _validate(config, overrides)
     _preflight(config, overrides)
-    out = await _long("bench", {"config": config, "steps": steps, "warmup": warmup, "overrides": overrides}, ctx,
-                      deadline_s=timeout_s, label="bench")
+    out = await _long("bench", {"config": config, "steps": steps, "warmup": warmup, "overrides": overrides,
+                                "micro_batches": micro_batches}, ctx, deadline_s=timeout_s, label="bench")
     res = BenchResult.model_validate(out)
     image = Path(res.plot_path).read_bytes() if plot and res.plot_path and Path(res.plot_path).is_file() else None
     return _json_result(res, image)

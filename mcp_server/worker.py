@@ -29,8 +29,8 @@ def _bench(args: dict[str, Any], cancel: threading.Event, say: Say, root: str | 
     from curry_train.measure.bench import bench
 
     return bench(args["config"], steps=args.get("steps", 5), warmup=args.get("warmup", 1),
-                 overrides=args.get("overrides") or {}, root=root, timeout=args.get("timeout", 900.0),
-                 cancel=cancel, progress=say).model_dump(mode="json")
+                 overrides=args.get("overrides") or {}, root=root, timeout=args.get("timeout"),
+                 cancel=cancel, progress=say, micro_batches=args.get("micro_batches")).model_dump(mode="json")
 
 
 def _whitebox(args: dict[str, Any], cancel: threading.Event, say: Say, root: str | None) -> dict[str, Any]:

@@ -107,12 +107,16 @@ def test_zero_bubble_fills_idle_time_with_weight_gradients():
 def test_a_real_two_rank_bench_through_the_cli_measures_records_and_draws(project, tmp_path):
     png = tmp_path / "memory.png"
     proc = subprocess.run([sys.executable, "-m", "curry_train.cli", "bench", "--config", "tiny", "--set",
-                           "parallel.dp=2", "--steps", "3", "--json", "--plot", str(png), "--root", str(project)],
+                           "parallel.dp=2", "--steps", "3", "--micro-batches", "1", "--json", "--plot", str(png), "--root", str(project)],
                           capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = BenchResult.model_validate(json.loads(proc.stdout))
     assert r.world_size == 2 and r.device == "cpu" and r.loss_finite and len(r.losses) == 4
-    assert r.step_time_s and r.step_time_s > 0 and r.tokens_per_s > 0 and len(r.step_times_s) == 3
+    assert r.step_time_s and r.step_time_s > 0 and len(r.step_times_s) == 3
+    # one of the step's two micro-batches per rank: 2 ranks x 2 sequences x 64 tokens in each benched step
+    assert (r.micro_batches, r.full_micro_batches) == (1, 2)
+    assert r.tokens_per_s == pytest.approx(2 * 2 * 64 / r.step_time_s)
+    assert r.timeout_s == 300.0 and r.fits and r.max_memory_reserved_bytes is None  # the floor; CPU: no device view
     b = r.memory_breakdown
     assert r.peak_memory_bytes > 0 and sum(b.by_category().values()) == b.peak
     assert b.params == 723_200 and b.optimizer >= 2 * b.params  # tiny: 180,800 fp32 params; AdamW: 2 states + step
@@ -121,4 +125,5 @@ def test_a_real_two_rank_bench_through_the_cli_measures_records_and_draws(projec
     rec = Ledger(project).get(r.run_id)
     assert rec.status == "ok" and rec.metrics["peak_memory_bytes"] == r.peak_memory_bytes
     assert _png_size(png.read_bytes())[0] >= 800
-    assert "step 3/3" in proc.stderr and "launching 2 rank" in proc.stderr  # progress on stderr, JSON on stdout
+    assert "step 3/3" in proc.stderr and "launching 2 rank" in proc.stderr and "1/2 micro-batches" in proc.stderr
+    assert "1 more step of the same run" in proc.stderr  # progress on stderr, JSON on stdout

@@ -33,10 +33,12 @@ def _mib(b: float | None) -> str:
 
 def _human_bench(r) -> str:
     lines = [f"bench {r.run_id}: {r.config_name} world={r.world_size} on {r.device}",
-             f"  median step {r.step_time_s * 1e3:.1f} ms, {r.tokens_per_s:.0f} tokens/s" if r.step_time_s else
+             f"  median step {r.step_time_s * 1e3:.1f} ms ({r.micro_batches}/{r.full_micro_batches} micro-batches "
+             f"per rank), {r.tokens_per_s:.0f} tokens/s" if r.step_time_s else
              "  no step time (OOM)",
              (f"  peak {_mib(r.peak_memory_bytes)} per rank (rank {r.memory_breakdown.rank}); budget "
-              f"{_mib(r.memory_budget_bytes)}{'  -> OOM' if r.oom else ''}"),
+              f"{_mib(r.memory_budget_bytes)} (usable {_mib(r.usable_bytes)})"
+              f"{'  -> OOM' if r.oom else '' if r.fits else '  -> over the usable budget'}"),
              "  " + ", ".join(f"{k} {_mib(getattr(r.memory_breakdown, k))}"
                               for k in ("params", "grads", "optimizer", "activations", "other"))]
     if r.estimate is not None:
@@ -57,13 +59,13 @@ def _cmd_bench(a: argparse.Namespace) -> int:
     warn_layout("bench", a.config, parse_sets(a.set), a.root)
     lock = DeviceLock(a.root)
     try:
-        lock.acquire(timeout=a.timeout, on_wait=_err)
+        lock.acquire(timeout=a.timeout or 3600.0, on_wait=_err)
     except TimeoutError as e:
         _err(f"curry-train bench: {e}")
         return EXIT_FAIL
     try:
         r = bench(a.config, steps=a.steps, warmup=a.warmup, overrides=parse_sets(a.set), root=a.root,
-                  timeout=a.timeout, progress=_err)
+                  timeout=a.timeout, progress=_err, micro_batches=a.micro_batches)
     finally:
         lock.release()
     if a.plot and r.plot_path:
@@ -150,7 +152,11 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     add_config_args(p)
     p.add_argument("--steps", type=positive_int, default=5, help="timed steps (median reported)")
     p.add_argument("--warmup", type=nonneg_int, default=1, help="untimed steps first")
-    p.add_argument("--timeout", type=seconds, default=900.0, help="seconds before every rank is killed")
+    p.add_argument("--micro-batches", type=positive_int, default=None,
+                   help="micro-batches per rank in each benched step, the layout unchanged (default: 2, or the "
+                   "whole step under a pipeline; measure/bench_plan.py)")
+    p.add_argument("--timeout", type=seconds, default=None, help="seconds before every rank is killed (default: "
+                   "init + the estimated step time x steps x margin)")
     p.add_argument("--plot", metavar="PNG", help="also write the memory breakdown (estimate vs measured) here")
     p.set_defaults(fn=_cmd_bench)
 

@@ -109,6 +109,13 @@ from curry_train.estimator.profiles import (
     guess_profile,
     resolve_gpu,
 )
+from curry_train.estimator.reserve import (
+    CUDA_CONTEXT_RESERVE_GIB,
+    FRAGMENTATION_RESERVE,
+    NCCL_COMMUNICATOR_MIB,
+    communicators,
+    reserve_of,
+)
 from curry_train.estimator.states import _states
 from curry_train.layout_warnings import layout_warnings
 
@@ -121,8 +128,6 @@ __all__ = [  # the public API; planner.py and the tests also reach into layout_o
     "peak_flops", "pipe_states", "quick", "quick_layout", "reserve_bytes", "resolve_hardware", "stage_ids",
 ]
 
-CUDA_CONTEXT_RESERVE_GIB = 2.0  # CUDA context, cuBLAS/NCCL workspaces: outside torch's allocator
-FRAGMENTATION_RESERVE = 0.05  # caching-allocator fragmentation (Megatron adds 5%)
 
 
 # ----------------------------------------------------------------------------------------------- results
@@ -213,15 +218,13 @@ def memory_per_pp_rank(cfg: Config) -> list[MemoryBreakdown]:
 
 
 def reserve_bytes(cfg: Config) -> int:
-    """What the estimate keeps free of the budget: on CUDA the context/NCCL workspaces (2 GiB) plus 5% for
-    fragmentation; on CPU nothing (the measurement counts live tensor bytes exactly)."""
+    """What the estimate keeps free of the budget (estimator/reserve.py, the one home): on CUDA the context and
+    workspaces, 5% for fragmentation and a term per NCCL communicator; on CPU nothing (the measurement counts
+    live tensor bytes exactly)."""
     return _reserve(layout_of(cfg))
 
 
-def _reserve(layout: Layout) -> int:
-    if layout.device == "cpu":
-        return 0
-    return int(CUDA_CONTEXT_RESERVE_GIB * GiB + FRAGMENTATION_RESERVE * layout.gpu_memory_gib * GiB)
+_reserve = reserve_of
 
 
 def peak_flops(device_name: str, dtype: str) -> float | None:
@@ -298,8 +301,9 @@ def estimate(cfg: Config, *, hardware: str | HardwareProfile | None = None,
     notes = [
         "peak = max over: loss backward, last/first block backward, optimizer step (steady state, step >= 2)",
         "MoE routing assumed uniform (EP ranks receive as many rows as they send)" if layout.num_experts else "",
-        f"reserve = {CUDA_CONTEXT_RESERVE_GIB} GiB context/NCCL + {int(FRAGMENTATION_RESERVE * 100)}% "
-        "fragmentation" if layout.device != "cpu" else "CPU: no reserve (live tensor bytes are measured exactly)",
+        f"reserve = {CUDA_CONTEXT_RESERVE_GIB} GiB context + {int(FRAGMENTATION_RESERVE * 100)}% fragmentation + "
+        f"{communicators(layout)} NCCL communicators x {NCCL_COMMUNICATOR_MIB} MiB (assumed until a GPU calibrates "
+        "it)" if layout.device != "cpu" else "CPU: no reserve (live tensor bytes are measured exactly)",
         "FSDP under a pipeline keeps unsharded fp32 grads between micro-batches (the schedule's no-sync)"
         if layout.fsdp and layout.pp > 1 else "",
         "pipeline step() keeps every micro-batch's logits on the last stage (return_outputs=True)"

@@ -1,18 +1,22 @@
 """Step benchmark: median step time, throughput, per-rank memory (measured, beside the estimate), OOM, MFU.
 
-    curry-train bench --config tiny --set parallel.dp=2 --steps 3 --json [--plot memory.png]
+    curry-train bench --config tiny --set parallel.dp=2 --steps 3 [--micro-batches 2] --json [--plot memory.png]
 
 `bench(config, steps, warmup, overrides)` validates, records a run, launches `world_size` ranks through torchrun
-(job kind "bench", `bench_job` below), and reduces the per-rank results:
+(job kind "bench", measure/bench_rank.py), and reduces the per-rank results:
+  - the step: a few micro-batches per rank, the layout unchanged, and the timeout derived from the estimated step
+    time (measure/bench_plan.py); tokens/s counts the tokens the benched step processed;
   - step_time_s: per step the slowest rank, then the median over the timed steps (warm-up excluded);
-  - memory: `curry_train.measure.memory.measure_memory` in every rank; the breakdown is the rank with the largest peak;
+  - memory: one more step of the same run tracked in every rank (measure/memory.measure_step); the breakdown is
+    the rank with the largest peak; on CUDA also max_memory_reserved and the device's own view (mem_get_info);
   - oom: a real CUDA OutOfMemoryError in any rank, or (CPU) the measured peak above hardware.gpu_memory_gib;
+  - fits: no OOM and the peak within budget - estimator.reserve_bytes (the estimator's own test; CPU: reserve 0);
   - mfu: model FLOPs per token (the estimator's count) x tokens/s / (ranks x device peak); None on CPU;
-  - estimate: the estimator's per-rank prediction for the same config, and its error against the measurement.
+  - estimate: the estimator's per-rank prediction for the benched config, and its error against the measurement.
 Benches (and white-box runs) serialise on a per-machine device lock (`DeviceLock`), shared by every process.
 `resume=` continues a checkpoint (any layout, train/checkpoint.py) at its step, and `save_checkpoint=True` saves
 the state after the timed steps into <run folder>/checkpoints/: how `climb` carries the training run from rung to
-rung instead of restarting it (the memory measurement after the timed steps stays a fresh model of its own).
+rung instead of restarting it.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from curry_train.breakdown import CATEGORIES, Breakdown, split
 from curry_train.config import Config
 from curry_train.paths import runs_dir
 
-BENCH_JOB = f"{__name__}:bench_job"  # the rank-side job of a bench spec (train/jobs.py resolves it)
+BENCH_JOB = "curry_train.measure.bench_rank:bench_job"  # the rank side (measure/bench_rank.py; train/jobs.py)
 
 
 class MemoryBreakdown(Breakdown):
@@ -81,6 +85,17 @@ class BenchResult(BaseModel):
     oom: bool = Field(description="A real CUDA OOM in a rank, or (CPU) the measured peak above the budget.")
     oom_detail: str | None = None
     mfu: float | None = Field(None, description="Model FLOPs utilisation; None on CPU or an unknown device.")
+    micro_batches: int = Field(0, description="Micro-batches per rank in each benched step (measure/bench_plan.py).")
+    full_micro_batches: int = Field(0, description="Micro-batches per rank in the config's whole step.")
+    timeout_s: float = Field(0.0, description="Seconds the ranks were given (bench_plan.bench_timeout unless set).")
+    reserve_bytes: int = Field(0, description="estimator.reserve_bytes: kept free of the budget (0 on CPU).")
+    usable_bytes: int = Field(0, description="memory_budget_bytes - reserve_bytes: what the peak must stay under.")
+    fits: bool = Field(False, description="No OOM and the measured peak <= usable_bytes (the estimator's test).")
+    max_memory_reserved_bytes: int | None = Field(None, description="CUDA: the largest rank's "
+                                                  "torch.cuda.max_memory_reserved; None on CPU.")
+    device_used_at_peak_bytes: int | None = Field(None, description="CUDA: the largest rank's device bytes in use "
+                                                  "at the peak (mem_get_info, measure/memory.cuda_device_view).")
+    device_total_bytes: int | None = Field(None, description="CUDA: mem_get_info total of that rank's device.")
     estimate: EstimateSide | None = Field(None, description="The estimator's prediction beside the measurement.")
     plot_path: str | None = Field(None, description="PNG of the memory breakdown, estimate vs measured.")
     wall_s: float
@@ -142,74 +157,6 @@ class DeviceLock:
         self.release()
 
 
-# ------------------------------------------------------------------------------------------ rank side
-
-
-def bench_job(spec: dict[str, Any]) -> dict[str, Any]:
-    """Inside each rank: warm up, time `steps` steps, then measure per-component memory."""
-    import gc
-
-    import torch
-
-    from curry_train.config import from_dict
-    from curry_train.train.loop import init_distributed, rank, train_step
-
-    cfg = from_dict(spec["config"])
-    steps, warmup = int(spec.get("steps", 5)), int(spec.get("warmup", 1))
-    device = init_distributed(cfg)
-    r = rank()
-    cuda = device.type == "cuda"
-    out: dict[str, Any] = {"rank": r, "device": device.type, "oom": False}
-    if cuda:
-        out["device_name"] = torch.cuda.get_device_name(device)
-    progress = Path(spec["out_dir"]) / "progress.log" if r == 0 else None
-    try:
-        from curry_train.measure.init_memory import measure_init
-
-        par, init = measure_init(cfg, device)
-        out["init_peak_bytes"] = max(init["init_peak_bytes"], init.get("cuda_init_peak_bytes", 0))
-        if cuda:
-            torch.cuda.reset_peak_memory_stats(device)
-        start = 0
-        if spec.get("resume"):
-            from curry_train.train.checkpoint import load
-
-            start = out["start_step"] = load(par, spec["resume"])
-        history = []
-        for s in range(warmup + steps):
-            history.append(train_step(par, start + s))
-            if progress is not None:  # read by the launcher side for progress reports
-                phase = f"warm-up {s + 1}/{warmup}" if s < warmup else f"step {s + 1 - warmup}/{steps}"
-                with open(progress, "a", encoding="utf-8") as f:
-                    f.write(f"{phase}: loss {history[-1].loss:.4f}, {history[-1].step_time_s * 1e3:.1f} ms\n")
-        out["losses"] = [h.loss for h in history]
-        out["step_time_s"] = [h.step_time_s for h in history[warmup:]]
-        if cuda:
-            out["cuda_peak_timed"] = int(torch.cuda.max_memory_allocated(device))
-        if spec.get("checkpoint_dir"):
-            from curry_train.train.checkpoint import save
-
-            out["checkpoint"] = str(save(par, spec["checkpoint_dir"], start + warmup + steps))
-        del par, history
-        gc.collect()
-        if cuda:
-            torch.cuda.empty_cache()
-        from curry_train.measure.memory import measure_memory
-
-        if progress is not None:
-            with open(progress, "a", encoding="utf-8") as f:
-                f.write("measuring per-component memory (2 more steps)\n")
-        report = measure_memory(cfg, steps=2)
-        out["memory"] = report.model_dump() if hasattr(report, "model_dump") else dict(vars(report))
-    except torch.cuda.OutOfMemoryError as e:
-        # Mark the OOM for the launcher, then fail the rank: torchrun tears the peers down instead of leaving them
-        # blocked in a collective until the process-group timeout.
-        marker = Path(spec["out_dir"]) / f"oom_rank{r}.json"
-        marker.write_text(json.dumps({"rank": r, "error": str(e)[:2000]}), encoding="utf-8")
-        raise
-    return out
-
-
 # ------------------------------------------------------------------------------------------ service
 
 
@@ -230,6 +177,13 @@ def _estimate(cfg: Config) -> EstimateSide | None:
         raise
     mem = estimate_memory(cfg).memory
     return EstimateSide(**mem.by_category(), total=mem.total)
+
+
+def _reserve(cfg: Config) -> int:
+    """estimator.reserve_bytes, the one home of what a CUDA budget keeps free (0 on CPU)."""
+    from curry_train.estimator import reserve_bytes
+
+    return reserve_bytes(cfg)
 
 
 def _model_flops_per_token(cfg: Config) -> float | None:
@@ -274,6 +228,8 @@ def summarise(cfg: Config, values: list[dict[str, Any]], *, run_id: str, config_
     if est is not None and peaks[worst]:
         est.error_vs_measured = est.total / peaks[worst] - 1
     over = device != "cuda" and peaks[worst] > budget
+    reserve = _reserve(cfg)
+    wm = values[worst].get("memory") or {}
     return BenchResult(
         run_id=run_id, config_name=config_name, overrides=overrides, world_size=cfg.world_size, device=device,
         parallel=cfg.parallel.model_dump(), steps=steps, warmup=warmup, step_time_s=step_time,
@@ -284,7 +240,10 @@ def summarise(cfg: Config, values: list[dict[str, Any]], *, run_id: str, config_
         oom=over, oom_detail=(f"measured peak {peaks[worst]} B on rank {worst} > budget {budget} B "
                               f"(hardware.gpu_memory_gib={cfg.hardware.gpu_memory_gib})") if over else None,
         mfu=mfu, estimate=est, wall_s=wall_s, start_step=int(values[0].get("start_step", 0)),
-        checkpoint=values[0].get("checkpoint"),
+        checkpoint=values[0].get("checkpoint"), micro_batches=cfg.num_microbatches,
+        full_micro_batches=cfg.num_microbatches, reserve_bytes=reserve, usable_bytes=budget - reserve,
+        fits=not over and peaks[worst] <= budget - reserve, max_memory_reserved_bytes=wm.get("cuda_max_reserved"),
+        device_used_at_peak_bytes=wm.get("cuda_device_used_at_peak"), device_total_bytes=wm.get("cuda_device_total"),
     )
 
 
@@ -328,12 +287,15 @@ def _wait(job: Any, timeout: float, cancel: threading.Event | None, say: Callabl
 
 
 def bench(config: str, steps: int = 5, warmup: int = 1, overrides: dict[str, Any] | None = None, *,
-          root: str | Path | None = None, timeout: float = 900.0, cancel: threading.Event | None = None,
+          root: str | Path | None = None, timeout: float | None = None, cancel: threading.Event | None = None,
           progress: Callable[[str], None] | None = None, resume: str | None = None,
-          save_checkpoint: bool = False) -> BenchResult:
+          save_checkpoint: bool = False, micro_batches: int | None = None) -> BenchResult:
     """Benchmark `config` (a name in configs/) with dotted `overrides`; the run is recorded in the ledger.
-    `resume`: continue this checkpoint (a missing, corrupt or other-shape one is a ConfigError before anything
-    launches); `save_checkpoint`: save after the timed steps into the run folder (`checkpoint` in the result)."""
+    `micro_batches`: per rank per benched step (None: bench_plan's default); `timeout` None: derived from the
+    estimated step time (bench_plan.bench_timeout). `resume`: continue this checkpoint (a missing, corrupt or
+    other-shape one is a ConfigError before anything launches); `save_checkpoint`: save after the timed steps
+    into the run folder (`checkpoint` in the result)."""
+    from curry_train.measure.bench_plan import bench_config, bench_timeout
     from curry_train.measure.preflight import preflight
     from curry_train.measure.service import resolve
     from curry_train.store.runs import Ledger
@@ -343,17 +305,23 @@ def bench(config: str, steps: int = 5, warmup: int = 1, overrides: dict[str, Any
         raise ValueError("steps must be >= 1 and warmup >= 0")
     say = progress or (lambda msg: None)
     overrides = dict(overrides or {})
-    cfg, name = resolve(config, overrides, root)
+    full_cfg, name = resolve(config, overrides, root)
+    cfg = bench_config(full_cfg, micro_batches)  # the layout unchanged, fewer micro-batches per step
     preflight(cfg, name)  # before the run is recorded: a config this machine cannot run launches nothing
+    if timeout is None:
+        timeout = bench_timeout(cfg, steps, warmup)
+    if timeout <= 0:
+        raise ValueError("timeout must be positive seconds (or None: derived from the estimated step time)")
     if resume:
         from curry_train.train.checkpoint import find_checkpoint
 
         resume = str(find_checkpoint(Path(resume).expanduser(), cfg)[0].resolve())
     ledger = Ledger(root)
-    rec = ledger.start("bench", cfg, name)
+    rec = ledger.start("bench", full_cfg, name)  # recorded as the config it is (brain tools match on it)
     run_path = ledger.path.parent / rec.run_id
     t0 = time.perf_counter()
-    say(f"launching {cfg.world_size} rank(s) for {warmup}+{steps} steps (run {rec.run_id})")
+    say(f"launching {cfg.world_size} rank(s) for {warmup}+{steps} steps of {cfg.num_microbatches}/"
+        f"{full_cfg.num_microbatches} micro-batches per rank, timeout {timeout:.0f}s (run {rec.run_id})")
     spec = {"kind": "bench", "job": BENCH_JOB, "config": cfg.to_dict(), "steps": steps, "warmup": warmup,
             "resume": resume, "checkpoint_dir": str((run_path / "checkpoints").resolve()) if save_checkpoint else None}
     job = start_torchrun(spec, cfg.world_size, run_path)
@@ -371,7 +339,9 @@ def bench(config: str, steps: int = 5, warmup: int = 1, overrides: dict[str, Any
             peak_memory_bytes=0, memory_breakdown=MemoryBreakdown(),
             memory_budget_bytes=int(cfg.hardware.gpu_memory_gib * 2**30), loss_finite=False, oom=True,
             oom_detail=f"CUDA out of memory on rank {detail['rank']}: {detail['error'][:500]}",
-            estimate=_estimate(cfg), wall_s=time.perf_counter() - t0, resumed_from=resume)
+            estimate=_estimate(cfg), wall_s=time.perf_counter() - t0, resumed_from=resume,
+            micro_batches=cfg.num_microbatches, full_micro_batches=full_cfg.num_microbatches, timeout_s=timeout,
+            reserve_bytes=_reserve(cfg), usable_bytes=int(cfg.hardware.gpu_memory_gib * 2**30) - _reserve(cfg))
         ledger.finish(rec.run_id, status="failed", metrics=result.model_dump(mode="json"), error=result.oom_detail)
         return result
     finally:
@@ -380,10 +350,7 @@ def bench(config: str, steps: int = 5, warmup: int = 1, overrides: dict[str, Any
     say("ranks finished; summarising")
     result = summarise(cfg, values, run_id=rec.run_id, config_name=name, overrides=overrides, steps=steps,
                        warmup=warmup, wall_s=time.perf_counter() - t0)
-    result.resumed_from = resume
-    from curry_train.estimator import reserve_bytes
-
-    usable = result.memory_budget_bytes - reserve_bytes(cfg)
-    result.plot_path = str(write_plot(result, run_path / "memory.png", usable))
+    result.resumed_from, result.full_micro_batches, result.timeout_s = resume, full_cfg.num_microbatches, timeout
+    result.plot_path = str(write_plot(result, run_path / "memory.png", result.usable_bytes))
     ledger.finish(rec.run_id, status="ok", metrics=result.model_dump(mode="json"))
     return result

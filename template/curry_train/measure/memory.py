@@ -46,8 +46,8 @@ from curry_train.breakdown import CATEGORIES
 from curry_train.config import Config
 from curry_train.measure.tracker import StepMemoryTracker
 
-__all__ = ["CATEGORIES", "MEMORY_JOB", "MemoryReport", "StepMemoryTracker", "measure_memory", "memory_job",
-           "memory_spec"]
+__all__ = ["CATEGORIES", "MEMORY_JOB", "MemoryReport", "StepMemoryTracker", "cuda_device_view", "measure_memory",
+           "measure_step", "memory_job", "memory_spec"]
 
 MEMORY_JOB = f"{__name__}:memory_job"  # the rank-side job a memory spec names (train/jobs.py resolves it)
 
@@ -71,12 +71,14 @@ class MemoryReport(BaseModel):
     cuda_max_allocated: int | None = Field(None, description="torch.cuda.max_memory_allocated during the step.")
     cuda_max_reserved: int | None = Field(None, description="torch.cuda.max_memory_reserved during the step.")
     cuda_step_start_allocated: int | None = Field(None, description="torch.cuda.memory_allocated before the step.")
+    cuda_device_free: int | None = Field(None, description="torch.cuda.mem_get_info free bytes after the step.")
+    cuda_device_total: int | None = Field(None, description="torch.cuda.mem_get_info total bytes.")
+    cuda_device_used_at_peak: int | None = Field(None, description="Device bytes in use at the step's peak, "
+                                                 "allocator and beyond (cuda_device_view).")
 
 
 def measure_memory(cfg: Config, steps: int = 2) -> MemoryReport:
     """Build this rank's parallel model, warm up steps - 1 steps, and measure the last one (all ranks call it)."""
-    import torch.distributed as dist
-
     from curry_train.train.loop import init_distributed, setup, train_step
 
     if steps < 2:
@@ -85,10 +87,22 @@ def measure_memory(cfg: Config, steps: int = 2) -> MemoryReport:
     par = setup(cfg, device)
     for step in range(steps - 1):
         train_step(par, step)
+    return measure_step(par, steps - 1)
+
+
+def measure_step(par: Any, step: int) -> MemoryReport:
+    """Track optimizer step `step` of an already-built `par` (bench measures its own run this way, so the
+    peak is that of the process a normal run is: one model, one mesh, its own communicators). The optimizer
+    state must exist (a step ran before); one untracked step more runs first if DDP has not yet re-allocated
+    its buckets, which it does once, in the forward after the first synced backward (Li et al. 2020)."""
+    import torch.distributed as dist
+
+    from curry_train.train.loop import train_step
+
+    device = par.device
     if any(not getattr(part, "_has_rebuilt_buckets", True) for part in par.parts):
-        # DDP re-allocates its buckets once, after the first synced backward (Li et al. 2020): warm up one more step
-        train_step(par, steps - 1)
-        steps += 1
+        train_step(par, step)
+        step += 1
     cuda = device.type == "cuda"
     if cuda:  # (the tracker only counts what it registers or sees allocated; the CUDA counters count garbage)
         gc.collect()
@@ -96,15 +110,26 @@ def measure_memory(cfg: Config, steps: int = 2) -> MemoryReport:
         torch.cuda.reset_peak_memory_stats(device)
         start = torch.cuda.memory_allocated(device)
     with StepMemoryTracker(par) as tracker:
-        train_step(par, steps - 1, after_backward=lambda loss: setattr(tracker, "in_optimizer", True))
+        train_step(par, step, after_backward=lambda loss: setattr(tracker, "in_optimizer", True))
         tracker.in_optimizer = False
     extra = {}
     if cuda:
         torch.cuda.synchronize(device)
         extra = {"cuda_max_allocated": torch.cuda.max_memory_allocated(device),
-                 "cuda_max_reserved": torch.cuda.max_memory_reserved(device), "cuda_step_start_allocated": start}
+                 "cuda_max_reserved": torch.cuda.max_memory_reserved(device), "cuda_step_start_allocated": start,
+                 **cuda_device_view(device)}
     return MemoryReport(rank=dist.get_rank() if dist.is_initialized() else 0, device=device.type,
                         **tracker.maxima, peak=tracker.peak, at_peak=tracker.at_peak, **extra)
+
+
+def cuda_device_view(device: torch.device) -> dict[str, int]:
+    """What the whole device holds at the step's peak, allocator and beyond (context, NCCL, cuBLAS workspaces):
+    `mem_get_info` just after the step, corrected by what the allocator reserved at the peak but has released
+    since (nothing, unless a caller emptied the cache): used_at_peak = total - free + (max_reserved - reserved)."""
+    free, total = torch.cuda.mem_get_info(device)
+    lag = torch.cuda.max_memory_reserved(device) - torch.cuda.memory_reserved(device)
+    return {"cuda_device_free": int(free), "cuda_device_total": int(total),
+            "cuda_device_used_at_peak": int(total - free + lag)}
 
 
 def memory_job(spec: dict[str, Any]) -> dict[str, Any]:
