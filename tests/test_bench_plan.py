@@ -93,3 +93,28 @@ def test_on_cpu_the_device_fields_are_absent_and_fits_is_the_raw_budget():
                   run_id="b", config_name="tiny", overrides={}, steps=1, warmup=0, wall_s=1.0)
     assert r.fits and r.reserve_bytes == 0 and r.usable_bytes == r.memory_budget_bytes
     assert r.max_memory_reserved_bytes is None and r.device_used_at_peak_bytes is None
+
+
+def test_the_reserve_grows_with_the_communicators_and_the_doc_quotes_the_codes_numbers():
+    import re
+
+    from curry_train.estimator import layout_of
+    from curry_train.estimator.reserve import (
+        CUDA_CONTEXT_RESERVE_GIB,
+        FRAGMENTATION_RESERVE,
+        NCCL_COMMUNICATOR_MIB,
+        communicators,
+    )
+
+    from tests.conftest import REPO
+
+    one = load_config(PRESETS / "llama3-8b.yaml")  # dp 8 = the world: only the default group
+    tp = load_config(PRESETS / "llama3-70b.yaml")  # TP 8 x FSDP 4: default, tp, dp
+    assert (communicators(layout_of(one)), communicators(layout_of(tp))) == (1, 3)
+    assert reserve_bytes(tp) - reserve_bytes(one) == 2 * NCCL_COMMUNICATOR_MIB * 2**20  # same 80 GiB budget
+    assert reserve_bytes(one) == int(CUDA_CONTEXT_RESERVE_GIB * 2**30 + FRAGMENTATION_RESERVE * 80 * 2**30
+                                     + NCCL_COMMUNICATOR_MIB * 2**20)
+    section = (REPO / "docs/ESTIMATION.md").read_text(encoding="utf-8").split("## Reserve\n")[1].split("\n## ")[0]
+    assert f"{CUDA_CONTEXT_RESERVE_GIB} GiB" in section and f"{FRAGMENTATION_RESERVE:.0%}" in section
+    assert f"{NCCL_COMMUNICATOR_MIB} MiB per NCCL communicator" in section and "**assumed**" in section
+    assert re.search(r"llama3-8b on dp 8: 1; llama3-70b on TP 8 × FSDP 4: 3", section)

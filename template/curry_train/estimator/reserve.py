@@ -8,10 +8,11 @@ budget (Megatron adds 5%) + NCCL_COMMUNICATOR_MIB per NCCL communicator the rank
 NCCL allocates each communicator's buffers outside the allocator, per channel and per connected peer: the
 Simple protocol's NCCL_BUFFSIZE (4 MiB by default), LL128's and LL's beside it
 (https://docs.nvidia.com/deeplearning/nccl/user-guide/docs/env.html#nccl-buffsize), so a rank in four groups
-holds four sets. The per-communicator number is ASSUMED until a GPU calibrates it: `bench` on CUDA reports
-`device_used_at_peak_bytes - max_memory_reserved_bytes` (measure/memory.cuda_device_view), which is this
-reserve's non-fragmentation part (docs/ESTIMATION.md#reserve). On CPU the reserve is 0: the measurement counts
-live tensor bytes exactly.
+holds four sets. The per-communicator number is ASSUMED until a GPU calibrates it, and is the floor (2 channels;
+NCCL opens more on NVLink, and NVLS buffers beside them), so a layout near the limit may still not fit.
+`bench` on CUDA reports `device_used_at_peak_bytes - max_memory_reserved_bytes` (measure/memory.cuda_device_view),
+which is this reserve's non-fragmentation part (docs/ESTIMATION.md#reserve). On CPU the reserve is 0: the
+measurement counts live tensor bytes exactly.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from curry_train.estimator.layout import GiB, Layout
 
 CUDA_CONTEXT_RESERVE_GIB = 2.0  # CUDA context, cuBLAS/cuDNN workspaces: outside torch's allocator
 FRAGMENTATION_RESERVE = 0.05  # caching-allocator fragmentation (Megatron adds 5%)
-NCCL_COMMUNICATOR_MIB = 256  # ASSUMED per communicator (16 channels x 2 peers x ~8 MiB of protocol buffers)
+NCCL_COMMUNICATOR_MIB = 32  # ASSUMED per communicator: its floor, 2 channels x 2 peers x ~8 MiB of buffers
 
 
 def communicators(layout: Layout) -> int:
