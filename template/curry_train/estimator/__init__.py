@@ -62,6 +62,7 @@ it); this one holds the public API and the result models and re-exports the othe
   peak.py       the per-rank peak: the largest moment
   init.py       the init peak (meta-device build, then local shards one parameter at a time)
   need.py       what a layout needs per rank (step and init peak), every pipeline rank: what `fits` reads
+  reserve.py    what a GPU budget keeps free: context, fragmentation, a term per NCCL communicator
   datasheets.py where each hardware profile's numbers come from (one source string per profile)
   profiles.py   hardware profiles (peak FLOP/s, bandwidths, GEMM and attention ceilings) for the time model; the one
                 GPU-name resolver
