@@ -128,8 +128,8 @@ class RingExchange:
     on every rank, so the pairs always match (the hang of quirk 2 needs shifts that some rank skips).
     """
 
-    def __init__(self, group: Any):
-        self.group = group
+    def __init__(self, group: Any, tag: int = 0):
+        self.group, self.tag = group, tag  # two rings in flight at once (K/V and dK/dV) match by tag on gloo
         size, rank = dist.get_world_size(group), dist.get_rank(group)
         self.send_to = dist.get_global_rank(group, (rank + 1) % size)
         self.recv_from = dist.get_global_rank(group, (rank - 1) % size)
@@ -141,8 +141,8 @@ class RingExchange:
         t = t.contiguous()
         self._buf = torch.empty_like(t)
         ops = [
-            dist.P2POp(dist.isend, t, self.send_to, self.group),
-            dist.P2POp(dist.irecv, self._buf, self.recv_from, self.group),
+            dist.P2POp(dist.isend, t, self.send_to, self.group, self.tag),
+            dist.P2POp(dist.irecv, self._buf, self.recv_from, self.group, self.tag),
         ]
         self._works = dist.batch_isend_irecv(ops)
         self._sent = t  # keep the send buffer alive until the transfer completes

@@ -9,10 +9,12 @@ tokens, Tq/Tk rows of one block, Dh head dim, cp ring size, r this rank's ring i
 Ring attention (Liu et al. 2023, arXiv:2310.01889, §3): K/V travel around the ring; at step s rank r holds the
 K/V of rank (r - s) mod cp and merges that block's softmax into its running output by log-sum-exp
 (Milakov & Gimelshein 2018, "Online normalizer calculation for softmax"). Every block runs torch's fused
-attention kernel that returns its LSE (the flash kernel on CPU, the memory-efficient one elsewhere), so no
-[Tq, Tk] score tile is ever stored. The backward is the fused flash-attention backward per block (Dao et al.
-2022, arXiv:2205.14135, Alg. 4) with the *final* out and LSE, while dK/dV ride the ring with K/V and arrive home
-after cp shifts. Only q, k, v, out and LSE are saved: O(Tl) activations per rank.
+attention kernel that returns its LSE (`block_kernel`: flash on CPU; on CUDA flash in fp16/bf16, else the
+memory-efficient kernel, whose LSE padding to 32 rows is undone and redone explicitly), so no [Tq, Tk] score
+tile is ever stored. The backward is the fused flash-attention backward per block (Dao et al. 2022,
+arXiv:2205.14135, Alg. 4) with the *final* out and LSE, while dK/dV ride the ring with K/V and arrive home after
+cp shifts, each shift posted asynchronously behind the next block's kernels. Only q, k, v, out and LSE are
+saved: O(Tl) activations per rank.
 
 Causality by global positions: a block (query run, key run) is skipped when every key is in the future, runs
 unmasked when every key is in the past, and is masked by `q_pos >= k_pos` otherwise. With data.cp_positions'
@@ -85,23 +87,58 @@ def attention_work(seq_len: int, cp: int, positions: Callable[[int, int, int], t
     return out
 
 
-def _attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+EFFICIENT_LSE_ALIGN = 32  # CUDA's memory-efficient kernel pads its LSE rows to a multiple of 32 (kAlignLSE)
+
+
+def block_kernel(q: torch.Tensor) -> str:
+    """Which fused kernel a block runs: "cpu_flash" on CPU; on CUDA "flash" (FlashAttention-2, Dao 2023: fp16 /
+    bf16, head dim a multiple of 8 up to 256, sm80+) and otherwise "efficient" (fp32, older GPUs). Each returns
+    the fp32 LSE the merge needs and stores no Tq x Tk tile."""
+    if q.device.type == "cpu":
+        return "cpu_flash"
+    dh = q.shape[-1]
+    if (q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16) and dh % 8 == 0 and dh <= 256
+            and torch.cuda.get_device_capability(q.device)[0] >= 8):
+        return "flash"
+    return "efficient"
+
+
+def lse_rows(tq: int) -> int:
+    """Rows of the memory-efficient kernel's LSE for Tq queries: padded to EFFICIENT_LSE_ALIGN on CUDA (its
+    backward reads the padded layout), exact on ROCm (torch/_meta_registrations.py, the efficient forward)."""
+    return tq if torch.version.hip else -(-tq // EFFICIENT_LSE_ALIGN) * EFFICIENT_LSE_ALIGN
+
+
+def _attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> tuple[torch.Tensor, ...]:
     """One block through torch's fused attention that also returns the log-sum-exp: (out [B, H, Tq, Dh] in the
-    input dtype, lse [B, H, Tq] fp32). CPU: the flash kernel (torch-cpu-distributed notes, item 14); other
-    devices: the memory-efficient kernel, as torch's own ring attention uses it
-    (torch/distributed/tensor/experimental/_context_parallel/_attention.py). Neither stores a Tq x Tk tile."""
-    if q.device.type == "cpu":
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)
+    input dtype, lse [B, H, Tq] fp32, aux). CPU: the flash kernel (torch-cpu-distributed notes, item 14); CUDA:
+    the flash kernel, whose `aux` (cum_seq_q, cum_seq_k, rng state) its backward takes back, or the
+    memory-efficient one, whose LSE is cut to the Tq real rows here and padded again for its backward."""
+    kind = block_kernel(q)
+    if kind == "cpu_flash":
+        return (*torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal), None)
+    if kind == "flash":
+        out, lse, cum_q, cum_k, _, _, seed, offset, _ = torch.ops.aten._scaled_dot_product_flash_attention(
+            q, k, v, 0.0, causal, False)
+        return out, lse, (cum_q, cum_k, seed, offset)
     out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal)[:2]
-    return out, lse[..., : q.shape[2]]
+    return out, lse[..., : q.shape[2]], None  # [B, H, lse_rows(Tq)] -> the Tq rows the merge uses
 
 
-def _attn_bwd(dout, q, k, v, out, lse, causal: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _attn_bwd(dout, q, k, v, out, lse, causal: bool, aux=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The block's (dq, dk, dv) given the *merged* output and LSE of the whole ring (so P = exp(S - lse_final)
-    and rowsum(dO * O) are those of the full softmax: the block's exact share of the gradient)."""
-    if q.device.type == "cpu":
+    and rowsum(dO * O) are those of the full softmax: the block's exact share of the gradient). `aux`: a flash
+    forward's (cum_seq_q, cum_seq_k, rng state), reused by every block (no dropout: the state is never read)."""
+    kind = block_kernel(q)
+    if kind == "cpu_flash":
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(dout, q, k, v, out, lse, 0.0,
                                                                                    causal)
+    if kind == "flash":
+        cum_q, cum_k, seed, offset = aux
+        return torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            dout, q, k, v, out, lse.contiguous(), cum_q, cum_k, q.shape[2], k.shape[2], 0.0, causal, seed, offset)
+    tq = q.shape[2]
+    lse = torch.nn.functional.pad(lse, (0, lse_rows(tq) - tq))  # [B, H, lse_rows(Tq)]: the padding never read
     zero = torch.zeros((), dtype=torch.int64, device=q.device)  # philox seed/offset: no dropout
     return torch.ops.aten._scaled_dot_product_efficient_attention_backward(
         dout, q, k, v, None, out, lse.contiguous(), zero, zero, 0.0, [True, True, True, False], causal)[:3]
@@ -137,13 +174,15 @@ class RingAttention(torch.autograd.Function):
         kd = kernel_dtype(q)
         qk = q.to(kd)
         kv = torch.stack([k, v]).to(kd)  # [2, B, G, Tl, Dh], travels in the kernel's dtype
+        aux = None  # the flash kernel's (cum_seq_q, cum_seq_k, rng state), for its backward
         with torch.autocast(q.device.type, enabled=False):
             for step in range(cp):
                 if step < cp - 1:
                     ring.start(kv)  # next block's transfer overlaps this block's compute
                 kr, vr = _rep(kv[0], rep), _rep(kv[1], rep)  # [B, H, Tl, Dh]
                 for qs, ks, causal in plans[(rank - step) % cp]:
-                    o_b, lse_b = _attn_fwd(qk[:, :, qs], kr[:, :, ks], vr[:, :, ks], causal)
+                    o_b, lse_b, aux_b = _attn_fwd(qk[:, :, qs], kr[:, :, ks], vr[:, :, ks], causal)
+                    aux = aux if aux is not None else aux_b
                     new = torch.logaddexp(lse[..., qs], lse_b)  # [B, H, Tq]
                     out[:, :, qs] = (out[:, :, qs] * torch.exp(lse[..., qs] - new).unsqueeze(-1)
                                      + o_b.float() * torch.exp(lse_b - new).unsqueeze(-1))
@@ -152,15 +191,18 @@ class RingAttention(torch.autograd.Function):
                     kv = ring.wait()
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.plans, ctx.rank = group, plans, rank
+        ctx.group, ctx.plans, ctx.rank, ctx.aux = group, plans, rank, aux
         return out
 
     @staticmethod
     def backward(ctx, dout):
+        """dK/dV ride the ring behind K/V: the exchange of step s's partial sums is posted asynchronously and
+        overlaps step s+1's block kernels, whose head-summed dk/dv wait in `parts` until the partial sums they
+        belong to arrive; they are then added in the same order as a blocking shift would (same values)."""
         q, k, v, out, lse = ctx.saved_tensors
         plans, rank = ctx.plans, ctx.rank
         cp, rep = len(plans), q.shape[1] // k.shape[1]
-        ring = RingExchange(ctx.group)
+        ring, grads = RingExchange(ctx.group), RingExchange(ctx.group, tag=1)
         kd = kernel_dtype(q)
         dout, qk, ok = dout.to(kd).contiguous(), q.to(kd), out.to(kd)
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
@@ -171,15 +213,24 @@ class RingAttention(torch.autograd.Function):
                 if step < cp - 1:
                     ring.start(kv)
                 kr, vr = _rep(kv[0], rep), _rep(kv[1], rep)
+                parts = []  # (key rows, dk [B, G, Tk, Dh] fp32, dv) of this step's blocks
                 for qs, ks, causal in plans[(rank - step) % cp]:
                     dq_b, dk_b, dv_b = _attn_bwd(dout[:, :, qs], qk[:, :, qs], kr[:, :, ks], vr[:, :, ks],
-                                                 ok[:, :, qs], lse[..., qs], causal)
+                                                 ok[:, :, qs], lse[..., qs], causal, ctx.aux)
                     dq[:, :, qs] += dq_b
-                    dkv[0, :, :, ks] += _unrep(dk_b.float(), rep)
-                    dkv[1, :, :, ks] += _unrep(dv_b.float(), rep)
+                    parts.append((ks, _unrep(dk_b.float(), rep), _unrep(dv_b.float(), rep)))
+                if step > 0:
+                    dkv = grads.wait()  # the partial sums of the block held now, from its previous holder
+                for ks, dk_b, dv_b in parts:
+                    dkv[0, :, :, ks] += dk_b
+                    dkv[1, :, :, ks] += dv_b
+                del parts
                 if step < cp - 1:
                     kv = ring.wait()
-                dkv = ring.shift(dkv)  # to the next holder of this block; the cp-th shift brings ours home
+                if cp > 1:
+                    grads.start(dkv)  # to the next holder of this block; the cp-th shift brings ours home
+            if cp > 1:
+                dkv = grads.wait()
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
 
 
