@@ -156,3 +156,21 @@ def test_the_ring_on_one_gpu_merges_blocks_of_24_rows_exactly(dtype, kernel, tmp
     assert float((out.double() - ref).abs().max()) < tol
     for got, want in zip(grads, ref_grads):
         assert float((got.double() - want).abs().max()) < tol * max(1.0, float(want.abs().max()))
+
+
+def test_the_gpu_benchmark_builds_its_configs_anywhere_and_refuses_to_run_without_a_gpu():
+    import json
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    script = [sys.executable, str(REPO / "benchmarks/gpu.py"), "--base", str(PRESETS / "tiny.yaml")]
+    dry = subprocess.run([*script, "--dry-run"], capture_output=True, text=True, timeout=120, check=False)
+    assert dry.returncode == 0, dry.stderr[-2000:]
+    configs = json.loads(dry.stdout.splitlines()[-1])["configs"]
+    assert len(configs) == 7 and all(c["fits"] for c in configs.values())
+    assert 0.8e9 < configs["mfu_1b"]["params"] < 1.2e9  # the ~1B dense model of the MFU goal
+    if not CUDA:
+        run = subprocess.run(script, capture_output=True, text=True, timeout=120, check=False)
+        assert run.returncode == 2 and "needs a CUDA GPU" in run.stderr
