@@ -118,3 +118,10 @@ def test_the_reserve_grows_with_the_communicators_and_the_doc_quotes_the_codes_n
     assert f"{CUDA_CONTEXT_RESERVE_GIB} GiB" in section and f"{FRAGMENTATION_RESERVE:.0%}" in section
     assert f"{NCCL_COMMUNICATOR_MIB} MiB per NCCL communicator" in section and "**assumed**" in section
     assert re.search(r"llama3-8b on dp 8: 1; llama3-70b on TP 8 × FSDP 4: 3", section)
+
+
+def test_the_bench_skill_quotes_the_default_micro_batches():
+    from tests.conftest import REPO
+
+    text = (REPO / "skills/bench/SKILL.md").read_text(encoding="utf-8")
+    assert f"`micro_batches` micro-batches per rank (default {BENCH_MICRO_BATCHES};" in text
