@@ -209,7 +209,8 @@ def _compile() -> dict:
     """train.compile on for the MFU run where the config has the field (another change adds it)."""
     from curry_train.config import TrainConfig
 
-    return {"train.compile": True} if "compile" in TrainConfig.model_fields else {}
+    field = TrainConfig.model_fields.get("compile")
+    return {"train.compile": True} if field is not None and isinstance(field.default, bool) else {}
 
 
 if __name__ == "__main__":
