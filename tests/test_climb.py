@@ -36,7 +36,8 @@ def fake_runs(monkeypatch):
     broken: list[dict] = []
 
     def fake_bench(name, steps=5, warmup=1, overrides=None, *, root=None, timeout=0, cancel=None, progress=None,
-                   resume=None, save_checkpoint=False):
+                   resume=None, save_checkpoint=False, micro_batches=None):
+        assert micro_batches == "all"  # the rungs are one training run: every rung benches the whole step
         cfg, _ = service.resolve(name, overrides, root)
         calls["resume"].append(resume)
         start = int(resume.rsplit("-", 1)[1]) if resume else 0

@@ -193,8 +193,9 @@ def climb(config: str, memory_budget: int, *, overrides: dict[str, Any] | None =
         ck = resume.checkpoint if resume else None
         say(f"rung {rung}: bench {name} ({primitive})" + (f", resuming {ck}" if ck else ""))
         try:
+            # the whole step: the rungs are one training run, each resuming the previous rung's checkpoint
             b = locked(lambda: bench(name, steps=steps, warmup=1, root=root, timeout=timeout, progress=say,
-                                     resume=ck, save_checkpoint=True, cancel=cancel))
+                                     resume=ck, save_checkpoint=True, cancel=cancel, micro_batches="all"))
         except ConfigError as e:
             if not ck:
                 raise

@@ -30,7 +30,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Self
+from typing import Any, Literal, Self
 
 from pydantic import BaseModel, Field
 
@@ -289,12 +289,12 @@ def _wait(job: Any, timeout: float, cancel: threading.Event | None, say: Callabl
 def bench(config: str, steps: int = 5, warmup: int = 1, overrides: dict[str, Any] | None = None, *,
           root: str | Path | None = None, timeout: float | None = None, cancel: threading.Event | None = None,
           progress: Callable[[str], None] | None = None, resume: str | None = None,
-          save_checkpoint: bool = False, micro_batches: int | None = None) -> BenchResult:
+          save_checkpoint: bool = False, micro_batches: int | Literal["all"] | None = None) -> BenchResult:
     """Benchmark `config` (a name in configs/) with dotted `overrides`; the run is recorded in the ledger.
-    `micro_batches`: per rank per benched step (None: bench_plan's default); `timeout` None: derived from the
-    estimated step time (bench_plan.bench_timeout). `resume`: continue this checkpoint (a missing, corrupt or
-    other-shape one is a ConfigError before anything launches); `save_checkpoint`: save after the timed steps
-    into the run folder (`checkpoint` in the result)."""
+    `micro_batches`: per rank per benched step (None: bench_plan's default, "all": the whole step); `timeout`
+    None: derived from the estimated step time (bench_plan.bench_timeout). `resume`: continue this checkpoint (a
+    missing, corrupt or other-shape one is a ConfigError before anything launches); `save_checkpoint`: save
+    after the timed steps into the run folder (`checkpoint` in the result)."""
     from curry_train.measure.bench_plan import bench_config, bench_timeout
     from curry_train.measure.preflight import preflight
     from curry_train.measure.service import resolve

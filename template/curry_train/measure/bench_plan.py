@@ -16,7 +16,7 @@ the benched config, so the two compare like with like.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from curry_train.config import Config, ConfigError, Problem, from_dict
 
@@ -31,10 +31,13 @@ def full_micro_batches(cfg: Config) -> int:
     return cfg.num_microbatches
 
 
-def bench_config(cfg: Config, micro_batches: int | None) -> Config:
-    """`cfg` with a step of `micro_batches` micro-batches per rank (None: the default above); a bad count is a
-    ConfigError naming --micro-batches, raised before anything launches."""
+def bench_config(cfg: Config, micro_batches: int | Literal["all"] | None) -> Config:
+    """`cfg` with a step of `micro_batches` micro-batches per rank (None: the default above; "all": the whole
+    step, as `climb` benches, whose rungs are one training run); a bad count is a ConfigError naming
+    --micro-batches, raised before anything launches."""
     full = full_micro_batches(cfg)
+    if micro_batches == "all":
+        return cfg
     if micro_batches is None:
         n = full if cfg.parallel.pp > 1 else min(full, BENCH_MICRO_BATCHES)
     else:
