@@ -309,7 +309,7 @@ def estimate(cfg: Config, *, hardware: str | HardwareProfile | None = None,
         if layout.fsdp and layout.pp > 1 else "",
         "pipeline step() keeps every micro-batch's logits on the last stage (return_outputs=True)"
         if layout.pp > 1 and PP_KEEPS_OUTPUTS else "",
-        f"CP ring attention: every block a {CP_RING_KERNEL} kernel with LSE (flash on CPU, memory-efficient on "
+        f"CP ring attention: every block a {CP_RING_KERNEL} kernel with LSE (flash; memory-efficient for fp32 on "
         f"CUDA): O(T/cp) memory, its FLOPs at the {ring_attention_dtype(layout)} peak" if layout.cp > 1 else "",
         f"pipeline stages {list(stage_split(layout))} layers (pipeline_split.py)" if layout.pp > 1 else "",
     ]

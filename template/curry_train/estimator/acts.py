@@ -59,7 +59,7 @@ def _acts(layout: Layout) -> _Acts:
     r = 2 if path == "mp" else 4  # residual-stream bytes
     cp_ring = layout.cp > 1
     # attention core: SDPA saves q, k, v (repeated for GQA), out, lse; ring attention (CP, fused kernels with
-    # their LSE: flash on CPU, memory-efficient elsewhere) saves q, the un-repeated k, v, out and the fp32 lse.
+    # their LSE: flash, memory-efficient for fp32 on CUDA) saves q, the un-repeated k, v, out and the fp32 lse.
     if cp_ring:
         attn = n * (Dq * c + 2 * Dkv * c + Dq * c + Hl * 4)
     else:
