@@ -155,3 +155,47 @@ def test_whitebox_cp_two_ranks(tmp_path):
 def test_whitebox_cp_four_ranks(tmp_path):
     cfgs = [load_config("configs/tiny.yaml", o) for o in WORLD4]
     _assert_passed(WORLD4, whitebox_batch(cfgs, steps=2, out_dir=tmp_path))
+
+
+def _backward_events(rank: int, world: int) -> list[str]:
+    """The order of the ring's backward: each dK/dV exchange ("start 1" / "wait 1") and each block kernel."""
+    import curry_train.parallel.context_parallel as cpm
+    from curry_train.mesh import Topology, build_mesh
+    from curry_train.parallel.comms import RingExchange
+
+    mesh = build_mesh(Topology(cp=world), "cpu")
+    events: list[str] = []
+    start, wait, bwd = RingExchange.start, RingExchange.wait, cpm._attn_bwd
+
+    def logged_start(self, t):
+        events.append(f"start {self.tag}")
+        return start(self, t)
+
+    def logged_wait(self):
+        events.append(f"wait {self.tag}")
+        return wait(self)
+
+    def logged_bwd(*a, **k):
+        events.append("block")
+        return bwd(*a, **k)
+
+    RingExchange.start, RingExchange.wait, cpm._attn_bwd = logged_start, logged_wait, logged_bwd
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 8 * world, 8, generator=g) for _ in range(3))
+    pos = cp_positions(8 * world, world, rank)
+    attn = cpm.RingCoreAttention(mesh["cp"].get_group(), world, rank, cp_positions)
+    local = [t[:, :, pos].requires_grad_() for t in (q, k, v)]
+    out = attn(*local)
+    events.clear()  # the backward only
+    out.sum().backward()
+    return events
+
+
+def test_the_dkdv_exchange_is_in_flight_while_the_next_blocks_run():
+    """Ring attention's backward posts each step's dK/dV exchange and computes the next step's blocks before it
+    waits for it (a blocking shift would show "start 1" directly followed by "wait 1")."""
+    for events in launch_forkserver(_backward_events, 4, timeout=180):
+        grad = [i for i, e in enumerate(events) if e.endswith(" 1")]
+        assert [events[i] for i in grad] == ["start 1", "wait 1"] * 4, events
+        pairs = list(zip(grad[::2], grad[1::2]))  # (posted, awaited) per exchange; the last overlaps nothing
+        assert all("block" in events[a:b] for a, b in pairs[:-1]), events
