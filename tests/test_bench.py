@@ -107,7 +107,8 @@ def test_zero_bubble_fills_idle_time_with_weight_gradients():
 def test_a_real_two_rank_bench_through_the_cli_measures_records_and_draws(project, tmp_path):
     png = tmp_path / "memory.png"
     proc = subprocess.run([sys.executable, "-m", "curry_train.cli", "bench", "--config", "tiny", "--set",
-                           "parallel.dp=2", "--steps", "3", "--micro-batches", "1", "--json", "--plot", str(png), "--root", str(project)],
+                           "parallel.dp=2", "--steps", "3", "--micro-batches", "1", "--json", "--plot", str(png),
+                           "--root", str(project)],
                           capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = BenchResult.model_validate(json.loads(proc.stdout))
