@@ -6,12 +6,12 @@
 
 A bench times a step of a few micro-batches, not the config's whole global batch: the layout (parallel section,
 micro_batch, seq_len, recompute, dtype) is the config's, only train.global_batch shrinks to dp x micro_batch x N,
-so a llama3-8b bench costs N micro-batches per step, not 32. Gradient accumulation frees each micro-batch's
+so a llama3-8b bench costs N micro-batches per step, not 64. Gradient accumulation frees each micro-batch's
 activations before the next, so without a pipeline the per-rank peak of N >= 2 micro-batches is that of the full
 batch (N = 2 keeps the no-sync then sync path of gradient accumulation); a pipeline's peak grows with the
-micro-batches in flight (docs/ESTIMATION.md#pipeline), so under pp > 1 the default is the whole batch. Tokens/s
-counts the tokens the benched step really processed, and the estimate beside the measurement is the estimate of
-the benched config, so the two compare like with like.
+micro-batches in flight (docs/ESTIMATION.md, "Pipeline schedules"), so under pp > 1 the default is the whole
+batch. Tokens/s counts the tokens the benched step really processed, and the estimate beside the measurement is
+the estimate of the benched config, so the two compare like with like.
 """
 
 from __future__ import annotations
