@@ -109,9 +109,9 @@ def test_plans_rows_fit_on_every_rank():
     p = _plan_setup(setup)
     cfg = load_any(setup[1], setup[5])
     base = {**cfg.to_dict(), "hardware": {**cfg.to_dict()["hardware"], "gpu_memory_gib": p.gpu_memory_gib}}
-    pp_rows = [r for r in p.ranked if r.parallel["pp"] > 1]
-    assert len(pp_rows) > 50
-    for r in pp_rows:
+    # every row, not only the pipelined ones: the reserve depends on each row's layout (its NCCL communicators)
+    assert len([r for r in p.ranked if r.parallel["pp"] > 1]) > 50
+    for r in p.ranked:
         e = estimate(load_any({**base, "parallel": dict(r.parallel),
                                "train": {**base["train"], "micro_batch": r.micro_batch}}))
         assert e.fits, r.parallel

@@ -40,6 +40,7 @@ from curry_train.config import Config, ParallelConfig
 from curry_train.estimator import GiB, _states, layout_need, layout_of, replace_layout, reserve_bytes, stage_ids
 from curry_train.estimator.comm import _step_time
 from curry_train.estimator.profiles import HardwareProfile
+from curry_train.estimator.reserve import reserve_of
 from curry_train.rules import (
     LONG_CONTEXT,
     WITHIN,
@@ -151,12 +152,10 @@ def _search(cfg: Config, hw: HardwareProfile, margin: float, *, with_cp: bool,
             first_fit: bool, search_mb: bool = True) -> tuple[list[Row], int]:
     x0 = layout_of(cfg)
     m, t = cfg.model, cfg.train
-    usable = int(cfg.hardware.gpu_memory_gib * GiB) - reserve_bytes(cfg)
-    limit = int(usable * (1 - margin))
+    budget = int(cfg.hardware.gpu_memory_gib * GiB)
     probe_cfg = cfg.model_copy()  # its parallel and train sections are swapped per candidate, unvalidated
     rows: list[Row] = []
     valid = 0
-    edge = usable * (1 - margin) * (1 - PEAK_ERROR_BAND)
     for tp, cp, pp, dp, used in _shapes(cfg, with_cp, 1 if search_mb else t.micro_batch):
         per_rank = t.global_batch // dp
         mbs = [b for b in divisors(per_rank) if (b <= MAX_MICRO_BATCH and b & (b - 1) == 0 and search_mb
@@ -189,6 +188,10 @@ def _search(cfg: Config, hw: HardwareProfile, margin: float, *, with_cp: bool,
                     x = replace_layout(x0, dp=dp, zero=zero, recompute="none", tp=tp, sp=sp, pp=pp,
                                        pp_schedule=sched, pp_virtual=v, ep=ep, cp=cp, micro_batch=mbs[0],
                                        dp_replicate=dpr, pp_layers=None, fsdp_keep_gathered=keep)
+                    # the reserve depends on the layout (one NCCL communicator per group it uses, reserve.py)
+                    usable = budget - reserve_of(x)
+                    limit = int(usable * (1 - margin))
+                    edge = usable * (1 - margin) * (1 - PEAK_ERROR_BAND)
                     st = _states(x, stage_ids(x, 0))
                     if st.params + st.opt > usable or layout_need(replace_layout(x, recompute="full"), limit) > limit:
                         over.add(zero)  # model states alone, or the lightest mode at the smallest micro-batch,
