@@ -39,6 +39,17 @@ class ModelConfig(_Section):
     )
     aux_loss_coef: float = Field(0.01, ge=0.0, description="Switch/GShard load-balancing loss weight (MoE only).")
     z_loss_coef: float = Field(0.0, ge=0.0, description="Router z-loss weight (ST-MoE); 0 = off.")
+    n_shared_experts: int = Field(0, ge=0, description="Always-active shared SwiGLU experts per MoE block, run "
+                                                      "as one SwiGLU of width shared_d_ff (DeepSeekMoE); 0 = none.")
+    shared_d_ff: int = Field(0, ge=0, description="Hidden size of the fused shared expert; 0 = n_shared_experts "
+                                                 "* d_ff (DeepSeek-V2/V3: each shared expert as wide as a routed one).")
+    first_k_dense: int = Field(0, ge=0, description="The first k blocks keep a dense SwiGLU FFN (MoE models; "
+                                                   "DeepSeek-V3: 3); < n_layers.")
+    dense_d_ff: int = Field(0, ge=0, description="Hidden size of the first_k_dense blocks' FFN; 0 = d_ff.")
+    route_groups: int = Field(1, ge=1, description="Group-limited routing: experts in this many equal groups "
+                                                  "(DeepSeek-V3 node-limited routing); 1 = off.")
+    route_top_groups: int = Field(1, ge=1, description="Groups each token may route into, chosen by the sum of "
+                                                      "their top-2 router probabilities (<= route_groups).")
     rope_theta: float = Field(10000.0, gt=0.0, description="RoPE base frequency.")
     norm_eps: float = Field(1e-5, gt=0.0, description="RMSNorm epsilon.")
 
@@ -121,6 +132,25 @@ class Config(_Section):
 
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json")
+
+
+def shared_width(m: ModelConfig) -> int:
+    """Hidden size of a MoE block's fused shared expert (0 = none): shared_d_ff, or n_shared_experts * d_ff as
+    DeepSeek-V2/V3 build it (one SwiGLU whose width is the sum of the shared experts', Dai et al. 2024
+    "DeepSeekMoE" §3.2; the model and the estimator share this rule)."""
+    if not m.num_experts or not m.n_shared_experts:
+        return 0
+    return m.shared_d_ff or m.n_shared_experts * m.d_ff
+
+
+def dense_width(m: ModelConfig) -> int:
+    """Hidden size of a dense block's SwiGLU: dense_d_ff for the first_k_dense blocks of a MoE model, else d_ff."""
+    return (m.dense_d_ff or m.d_ff) if m.num_experts and m.first_k_dense else m.d_ff
+
+
+def is_moe_block(m: ModelConfig, layer: int) -> bool:
+    """Whether global block `layer` has the MoE FFN: every block of a MoE model but its first_k_dense."""
+    return m.num_experts > 0 and layer >= m.first_k_dense
 
 
 def loss_chunk_count(setting: int, tokens: int, vocab_size: int, d_model: int) -> int:

@@ -154,6 +154,8 @@ def _moe_saved(layout: Layout, n: int, path: str) -> int:
     S, Sk = _moe_slots(layout, n)
     D, F, E, K = layout.d_model, layout.d_ff, layout.num_experts, layout.top_k
     router = n * E * 4 + n * K * (8 + 4 + 4) + n * 4 + (n * E * 4 if layout.has_z_loss else 0)
+    if layout.route_groups > 1:  # moe.group_limited: masked_fill keeps its [n, E] bool mask
+        router += n * E
     idx = 2 * Sk * 8
     c = 4 if path == "fp32" else 2
     rows = 2 * Sk * D * c + Sk * 4 * F * c + S * D * c
@@ -163,9 +165,21 @@ def _moe_saved(layout: Layout, n: int, path: str) -> int:
         rows += Sk * D * c + n * K * c + n * D * 4  # each expert casts its rows twice (w1, w3); fp32 router input
     elif path == "mp":
         rows += n * D * 4 + E * D * 4 + n * K * c  # the router's fp32 upcasts of its input and weight
-    return router + idx + rows
+    return router + idx + rows + _shared_saved(layout, n, path)
+
+
+def _shared_saved(layout: Layout, n: int, path: str) -> int:
+    """The shared expert (a SwiGLU of width Fs over all n tokens, moe.MoE.shared_experts): w1 and w3 outputs,
+    silu and the product, as a dense FFN's; its input is the router's (already counted), except that autocast
+    casts it once per w1 / w3."""
+    Fs = layout.shared_d_ff
+    if not Fs:
+        return 0
+    c = 4 if path == "fp32" else 2
+    return n * 4 * Fs * c + (2 * 2 * n * layout.d_model if path == "autocast" else 0)
 
 
 def _moe_mm(layout: Layout, n: int, c: int) -> int:
     _, Sk = _moe_slots(layout, n)
-    return n * layout.num_experts * 4 + Sk * (2 * layout.d_ff + layout.d_model) * c
+    shared = n * (2 * layout.shared_d_ff + layout.d_model) * c if layout.shared_d_ff else 0
+    return n * layout.num_experts * 4 + Sk * (2 * layout.d_ff + layout.d_model) * c + shared

@@ -32,7 +32,7 @@ def units_gathered_zero_bubble(r: RankView, s: StateView) -> list[Moment]:
             and not s.own_kept and not ps.fwd):
         return []
     c, lay = ps.chunk, r.chunk_layers
-    root_c = st.chunk_units[c] - lay[c] * st.unit_max
+    root_c = st.chunk_roots[c]
     p_g, o_g = max((st.chunk_units[c], st.unit_max if lay[c] else root_c), (root_c, root_c), key=sum)
     acts_g = s.head_acts if r.has_head and layout.pp > 1 else s.acts + s.logits_alive
     s.own_kept = True
@@ -45,7 +45,7 @@ def forward_units_kept(r: RankView, s: StateView) -> list[Moment]:
     and FSDP2 holds that block's flat all-gather output until the next copy-out
     (_fsdp_param_group.FSDPParamGroup.wait_for_unshard, implicit forward prefetch)."""
     st, a, ps = r.st, r.a, s.ps
-    root_c = st.chunk_units[ps.chunk] - r.chunk_layers[ps.chunk] * st.unit_max
+    root_c = st.chunk_roots[ps.chunk]
     acts_f = s.acts + (a.logits if ps.chunk == r.head_chunk else 0)
     return [Moment("forward (units kept)", s.param_copies + s.kept_other + root_c + st.unit_max, s.grads_prev,
                    acts_f, s.other + st.unit_max + a.stream, {}, s.gbuf_prev)]
@@ -158,7 +158,7 @@ def first_block_units_kept(r: RankView, s: StateView) -> list[Moment]:
         return []
     acts3 = _block_backward(r, s)[-1]
     lay = r.chunk_layers
-    acts_end = acts3 - (lay[c] - 1) * a.layer_saved - (a.logits if c == r.head_chunk else 0)
+    acts_end = acts3 - (r.chunk_saved[c] - r.first_saved[c]) - (a.logits if c == r.head_chunk else 0)
     if c == r.head_chunk:  # the other micro-batches' saved head activations (GPipe holds m, measured)
         acts_end += (s.ps.held[c] - 1) * a.head
     g_end, b_end = s.grads_prev, s.gbuf_prev
