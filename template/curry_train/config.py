@@ -17,6 +17,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from curry_train.moe_blocks import dense_width, is_moe_block, shared_width  # noqa: F401  (re-exported)
 from curry_train.rules import Problem, check  # the one rule set; re-exported here for callers of config.check
 
 
@@ -132,25 +133,6 @@ class Config(_Section):
 
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json")
-
-
-def shared_width(m: ModelConfig) -> int:
-    """Hidden size of a MoE block's fused shared expert (0 = none): shared_d_ff, or n_shared_experts * d_ff as
-    DeepSeek-V2/V3 build it (one SwiGLU whose width is the sum of the shared experts', Dai et al. 2024
-    "DeepSeekMoE" §3.2; the model and the estimator share this rule)."""
-    if not m.num_experts or not m.n_shared_experts:
-        return 0
-    return m.shared_d_ff or m.n_shared_experts * m.d_ff
-
-
-def dense_width(m: ModelConfig) -> int:
-    """Hidden size of a dense block's SwiGLU: dense_d_ff for the first_k_dense blocks of a MoE model, else d_ff."""
-    return (m.dense_d_ff or m.d_ff) if m.num_experts and m.first_k_dense else m.d_ff
-
-
-def is_moe_block(m: ModelConfig, layer: int) -> bool:
-    """Whether global block `layer` has the MoE FFN: every block of a MoE model but its first_k_dense."""
-    return m.num_experts > 0 and layer >= m.first_k_dense
 
 
 def loss_chunk_count(setting: int, tokens: int, vocab_size: int, d_model: int) -> int:

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from functools import lru_cache
 
+from curry_train.moe_blocks import dense_width, shared_width
+
 
 def stage_costs(*, d_model: int, n_heads: int, n_kv_heads: int, d_ff: int, vocab_size: int, seq_len: int,
                 num_experts: int = 0, top_k: int = 1, shared_d_ff: int = 0) -> tuple[int, int, int]:
@@ -211,9 +213,7 @@ def stage_layer_range(counts: tuple[int, ...] | list[int], stage: int) -> range:
 
 
 def split_for(cfg) -> tuple[int, ...]:
-    """`layers_per_stage` of a config.Config (imported at call time: config.py imports this module)."""
-    from curry_train.config import dense_width, shared_width
-
+    """`layers_per_stage` of a config.Config (duck-typed: config.py imports this module)."""
     m, p = cfg.model, cfg.parallel
     return layers_per_stage(n_layers=m.n_layers, pp=p.pp, pp_virtual=p.pp_virtual,
                             pp_layers=tuple(p.pp_layers) if p.pp_layers else None, d_model=m.d_model,

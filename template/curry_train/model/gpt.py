@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from curry_train.config import Config, ModelConfig, dense_width, is_moe_block, loss_chunk_count
+from curry_train.config import Config, ModelConfig, dense_width, is_moe_block, loss_chunk_count, shared_width
 
 
 class RMSNorm(nn.Module):
@@ -102,7 +102,8 @@ class Block(nn.Module):
         if is_moe_block(m, layer):  # a MoE model's blocks past its first_k_dense (DeepSeek-V3: 3 dense)
             from curry_train.model.moe import MoE  # the MoE FFN slot
 
-            self.feed_forward: nn.Module = MoE(m)
+            fs = shared_width(m)  # DeepSeekMoE's shared experts: one SwiGLU every token passes (model/moe.py)
+            self.feed_forward: nn.Module = MoE(m, FeedForward(m.d_model, fs) if fs else None)
         else:
             self.feed_forward = FeedForward(m.d_model, dense_width(m))
 

@@ -24,9 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from curry_train.config import ModelConfig, shared_width
+from curry_train.config import ModelConfig
 from curry_train.model.experts import Experts
-from curry_train.model.gpt import FeedForward
 from curry_train.parallel import comms
 
 
@@ -174,13 +173,13 @@ class MoE(nn.Module):
     routed), `dropped_slots`, and `tokens_received` [El] (rows each local expert processed: the EP load).
     """
 
-    def __init__(self, m: ModelConfig):
+    def __init__(self, m: ModelConfig, shared_experts: nn.Module | None = None):
         super().__init__()
         self.m = m
         self.router = TopKRouter(m)
         self.experts = Experts(m.num_experts, m.d_model, m.d_ff)
-        fs = shared_width(m)
-        self.shared_experts = FeedForward(m.d_model, fs) if fs else None  # w1/w3 [Fs, D], w2 [D, Fs]
+        # gpt.Block passes its SwiGLU of width config.shared_width (w1/w3 [Fs, D], w2 [D, Fs]); None = none
+        self.shared_experts = shared_experts
         self.ep_group: Any = None  # set by apply_ep; None = all experts local
         # set by apply_pp: the router losses get their gradient in backward (AuxLossBackward), not via the loss
         self.aux_grad_scale: float | None = None
