@@ -40,6 +40,7 @@ class _Acts:
     lin_out_grads: int  # gradients of one layer's linear outputs (zero bubble keeps them for the W pass)
     ring_bwd: int  # context_parallel.RingAttention.backward's working set
     post_attn: int  # wo's input and the FFN norm's saved tensors (freed before the attention core's backward)
+    shared_prod: int = 0  # MoE: the shared expert's SwiGLU product (its backward runs before the experts')
 
 
 @lru_cache(maxsize=8192)
@@ -78,7 +79,9 @@ def _acts(layout: Layout) -> _Acts:
     if layout.num_experts:
         ffn = _moe_saved(layout, n, path) + (y2 if path != "autocast" else 0)
         _, Sk = _moe_slots(layout, n)
-        prod = Sk * layout.d_ff * c
+        # what is freed by the time the experts' SwiGLU backward runs: their product, and the shared expert's
+        # saved tensors (its branch is recorded after the routed one, so autograd runs its backward first)
+        prod = Sk * layout.d_ff * c + _shared_saved(layout, n, path)
         # Experts.forward (CPU loop) takes unbind views of the stacked weights: the El [D, F] slice gradients
         # live until UnbindBackward stacks them into one [El, D, F] tensor (both at once: 2 per weight)
         El = layout.num_experts // layout.ep
@@ -121,7 +124,8 @@ def _acts(layout: Layout) -> _Acts:
                  grad_logits_all=c * n * Vl, chunks=k, chunk_targets=nc * 8,
                  rope=2 * T * (Dh // 2) * 4, stream=stream, d_stream=stream,
                  lin_out_grads=n * (Dq + 2 * Dkv + 2 * D + (2 * Fl if not layout.num_experts else 0)) * c,
-                 ring_bwd=_ring_backward(layout, n, Dq, Dkv, Hl, c) if cp_ring else 0, post_attn=wo_in + norms // 2)
+                 ring_bwd=_ring_backward(layout, n, Dq, Dkv, Hl, c) if cp_ring else 0, post_attn=wo_in + norms // 2,
+                 shared_prod=n * layout.shared_d_ff * c if layout.num_experts else 0)
 
 
 def _ring_backward(layout: Layout, n: int, Dq: int, Dkv: int, Hl: int, c: int) -> int:

@@ -143,6 +143,12 @@ def last_block_backward(r: RankView, s: StateView) -> list[Moment]:
         else:
             acts_i, o_i = acts3, o3
         out.append(Moment("input backward (zero bubble)", p3, g3, acts_i, o_i + 5 * a.stream, {}, b3))
+    if a.shared_prod:  # MoE: the shared expert's SwiGLU backward first, the routed experts' still saved; under
+        # zero 3 with ep > 1 the experts' own FSDP unit is gathered only when their backward starts
+        own_unit = r.zero3 and layout.ep > 1 and not s.own_kept
+        experts = r.compute_bytes * 3 * (layout.num_experts // layout.ep) * layout.d_model * layout.d_ff
+        out.append(Moment("block backward (shared expert)", p3 - (experts if own_unit else 0), g3,
+                          acts3 - a.shared_prod, o3 + 3 * a.shared_prod, {}, b3))
     out.append(Moment("block backward (SwiGLU)", p3, g3, acts3 - a.prod, o3 + a.ffn_bwd, {}, b3))
     out.append(Moment("block backward (norm)", p3, g3, acts3 - a.ffn_saved, o3 + 5 * a.stream, {}, b3))
     return out
