@@ -15,7 +15,7 @@ from curry_train.config import ConfigError, load_config
 from curry_train.estimator import estimate
 from curry_train.model.gpt import FeedForward, build_model, count_params
 from curry_train.model.moe import MoE, group_limited
-from curry_train.pipeline_split import split_for
+from curry_train.pipeline_split import split_costs, split_for, split_layers
 from curry_train.validation.whitebox import whitebox_batch
 
 from tests.conftest import PRESETS
@@ -88,6 +88,12 @@ def test_pipeline_split_prices_dense_blocks_below_moe_blocks():
     dense_first = split_for(load_config(MOE, {"parallel.pp": 2, "model.n_layers": 6, "model.first_k_dense": 3,
                                               "model.dense_d_ff": 32}))
     assert even == (3, 3) and dense_first[0] > 3, (even, dense_first)
+
+
+def test_unequal_cost_split_is_the_uniform_split_when_costs_are_equal():
+    for L, S, c, first, last in ((13, 4, 5, 1, 2), (126, 16, 10, 1, 3), (61, 16, 7, 0, 40), (9, 9, 3, 5, 5)):
+        assert split_costs((c,) * L, S, first, last) == split_layers(L, S, c, first, last)
+    assert split_costs((1, 1, 1, 9, 9, 9), 2) == (4, 2)  # cheap dense layers: the first stage takes one more
 
 
 @pytest.mark.parametrize("overrides, fields", [
