@@ -32,6 +32,8 @@ from typing import Any
 
 from curry_train.breakdown import CATEGORIES, split  # the category contract both sides file by
 
+_FRONT = {"model.n_shared_experts": 1, "model.first_k_dense": 1, "model.dense_d_ff": 96}  # DeepSeekMoE's blocks
+_GROUPS = {"model.route_groups": 2, "model.route_top_groups": 1}  # node-limited routing (DeepSeek-V3 §2.1.2)
 # name -> overrides on configs/tiny.yaml (or tiny-moe.yaml when the name starts with "moe")
 MATRIX: dict[str, dict[str, Any]] = {
     "single": {},
@@ -99,6 +101,13 @@ MATRIX: dict[str, dict[str, Any]] = {
     "cp4-seq512": {"parallel.cp": 4, "train.seq_len": 512, "train.global_batch": 4, "train.micro_batch": 1},
     "moe-single-bf16": {"train.dtype": "bfloat16"},
     "moe-ep2-zero3-bf16": {"parallel.dp": 2, "parallel.ep": 2, "parallel.zero": 3, "train.dtype": "bfloat16"},
+    # DeepSeek-V3's MoE (tiny): a shared expert, the first block(s) dense with their own width, group-limited
+    # routing; the single rank holds both block kinds, the PP stages one kind each
+    "moe-front-single": {**_FRONT},
+    "moe-front-single-bf16": {**_FRONT, **_GROUPS, "train.dtype": "bfloat16"},
+    "moe-front-ep2": {**_FRONT, "parallel.dp": 2, "parallel.ep": 2},
+    "moe-front-ep2-zero3": {**_FRONT, "parallel.dp": 2, "parallel.ep": 2, "parallel.zero": 3},
+    "moe-front-pp2": {**_FRONT, "model.first_k_dense": 2, "parallel.pp": 2},
     # vocab-heavy (V = 64 D, as llama3-8b's V = 31 D): the LM head and the chunked loss (train.loss_chunks,
     # 0 = auto = 64 chunks here) dominate the activations; tiny's V = 256 hides them
     "vocab-single": {"model.vocab_size": 4096},

@@ -120,17 +120,26 @@ def test_sliding_window_is_exact_up_to_its_length_and_refused_beyond(tmp_path):
 
 
 def test_deepseek_v3_refused_naming_every_unsupported_field(tmp_path):
-    """No MLA, shared experts, dense first layers or MTP in the template yet: each is named, none can be accepted."""
+    """No MLA or MTP in the template yet: each is named, none can be accepted. Its shared expert, dense first
+    layers and group-limited routing map onto the model (configs/deepseek-v3.yaml's fields)."""
     root = _root(tmp_path)
     with pytest.raises(ConfigError) as e:
-        import_hf_config(json.dumps(DEEPSEEK_V3), "ds", accept=["n_shared_experts", "rope_scaling"], root=root)
+        import_hf_config(json.dumps(DEEPSEEK_V3), "ds", accept=["rope_scaling"], root=root)
     named = {f for p in e.value.problems for f in p.fields}
     structural = {"q_lora_rank", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim",
-                  "n_shared_experts", "first_k_dense_replace", "num_nextn_predict_layers"}
+                  "num_nextn_predict_layers"}
     assert {f"config.json:{k}" for k in structural | {"scoring_func", "routed_scaling_factor"}} <= named
     assert "config.json:rope_scaling" not in named  # accepted, but the structural ones still refuse
-    shared = next(p for p in e.value.problems if p.fields == ["config.json:n_shared_experts"])
-    assert "not expressible" in shared.fix and f"{58 * 3 * 7168 * 2048:,} parameters" in shared.message
+    mapped = {f"config.json:{k}" for k in ("n_shared_experts", "first_k_dense_replace", "n_group", "topk_group")}
+    assert not mapped & named
+    from curry_train.store.hf_import import _mapping
+
+    changes, keys, _ = _mapping(DEEPSEEK_V3)
+    assert {k: changes[k] for k in ("model.n_shared_experts", "model.first_k_dense", "model.dense_d_ff",
+                                    "model.d_ff", "model.route_groups", "model.route_top_groups")} == {
+        "model.n_shared_experts": 1, "model.first_k_dense": 3, "model.dense_d_ff": 18432, "model.d_ff": 2048,
+        "model.route_groups": 8, "model.route_top_groups": 4}
+    assert keys["intermediate_size"] == "model.dense_d_ff"
 
 
 def test_gemma_refused_for_its_tied_head_head_dim_and_geglu(tmp_path):

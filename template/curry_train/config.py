@@ -17,6 +17,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from curry_train.moe_blocks import dense_width, is_moe_block, shared_width  # noqa: F401  (re-exported)
 from curry_train.rules import Problem, check  # the one rule set; re-exported here for callers of config.check
 
 
@@ -39,6 +40,17 @@ class ModelConfig(_Section):
     )
     aux_loss_coef: float = Field(0.01, ge=0.0, description="Switch/GShard load-balancing loss weight (MoE only).")
     z_loss_coef: float = Field(0.0, ge=0.0, description="Router z-loss weight (ST-MoE); 0 = off.")
+    n_shared_experts: int = Field(0, ge=0, description="Always-active shared SwiGLU experts per MoE block, run "
+                                                      "as one SwiGLU of width shared_d_ff (DeepSeekMoE); 0 = none.")
+    shared_d_ff: int = Field(0, ge=0, description="Hidden size of the fused shared expert; 0 = n_shared_experts "
+                                                 "* d_ff (DeepSeek-V2/V3: each shared expert as wide as a routed one).")
+    first_k_dense: int = Field(0, ge=0, description="The first k blocks keep a dense SwiGLU FFN (MoE models; "
+                                                   "DeepSeek-V3: 3); < n_layers.")
+    dense_d_ff: int = Field(0, ge=0, description="Hidden size of the first_k_dense blocks' FFN; 0 = d_ff.")
+    route_groups: int = Field(1, ge=1, description="Group-limited routing: experts in this many equal groups "
+                                                  "(DeepSeek-V3 node-limited routing); 1 = off.")
+    route_top_groups: int = Field(1, ge=1, description="Groups each token may route into, chosen by the sum of "
+                                                      "their top-2 router probabilities (<= route_groups).")
     rope_theta: float = Field(10000.0, gt=0.0, description="RoPE base frequency.")
     norm_eps: float = Field(1e-5, gt=0.0, description="RMSNorm epsilon.")
 

@@ -40,6 +40,7 @@ class _Acts:
     lin_out_grads: int  # gradients of one layer's linear outputs (zero bubble keeps them for the W pass)
     ring_bwd: int  # context_parallel.RingAttention.backward's working set
     post_attn: int  # wo's input and the FFN norm's saved tensors (freed before the attention core's backward)
+    shared_prod: int = 0  # MoE: the shared expert's SwiGLU product (its backward runs before the experts')
 
 
 @lru_cache(maxsize=8192)
@@ -78,7 +79,9 @@ def _acts(layout: Layout) -> _Acts:
     if layout.num_experts:
         ffn = _moe_saved(layout, n, path) + (y2 if path != "autocast" else 0)
         _, Sk = _moe_slots(layout, n)
-        prod = Sk * layout.d_ff * c
+        # what is freed by the time the experts' SwiGLU backward runs: their product, and the shared expert's
+        # saved tensors (its branch is recorded after the routed one, so autograd runs its backward first)
+        prod = Sk * layout.d_ff * c + _shared_saved(layout, n, path)
         # Experts.forward (CPU loop) takes unbind views of the stacked weights: the El [D, F] slice gradients
         # live until UnbindBackward stacks them into one [El, D, F] tensor (both at once: 2 per weight)
         El = layout.num_experts // layout.ep
@@ -121,7 +124,8 @@ def _acts(layout: Layout) -> _Acts:
                  grad_logits_all=c * n * Vl, chunks=k, chunk_targets=nc * 8,
                  rope=2 * T * (Dh // 2) * 4, stream=stream, d_stream=stream,
                  lin_out_grads=n * (Dq + 2 * Dkv + 2 * D + (2 * Fl if not layout.num_experts else 0)) * c,
-                 ring_bwd=_ring_backward(layout, n, Dq, Dkv, Hl, c) if cp_ring else 0, post_attn=wo_in + norms // 2)
+                 ring_bwd=_ring_backward(layout, n, Dq, Dkv, Hl, c) if cp_ring else 0, post_attn=wo_in + norms // 2,
+                 shared_prod=n * layout.shared_d_ff * c if layout.num_experts else 0)
 
 
 def _ring_backward(layout: Layout, n: int, Dq: int, Dkv: int, Hl: int, c: int) -> int:
@@ -154,6 +158,8 @@ def _moe_saved(layout: Layout, n: int, path: str) -> int:
     S, Sk = _moe_slots(layout, n)
     D, F, E, K = layout.d_model, layout.d_ff, layout.num_experts, layout.top_k
     router = n * E * 4 + n * K * (8 + 4 + 4) + n * 4 + (n * E * 4 if layout.has_z_loss else 0)
+    if layout.route_groups > 1:  # moe.group_limited: masked_fill keeps its [n, E] bool mask
+        router += n * E
     idx = 2 * Sk * 8
     c = 4 if path == "fp32" else 2
     rows = 2 * Sk * D * c + Sk * 4 * F * c + S * D * c
@@ -163,9 +169,21 @@ def _moe_saved(layout: Layout, n: int, path: str) -> int:
         rows += Sk * D * c + n * K * c + n * D * 4  # each expert casts its rows twice (w1, w3); fp32 router input
     elif path == "mp":
         rows += n * D * 4 + E * D * 4 + n * K * c  # the router's fp32 upcasts of its input and weight
-    return router + idx + rows
+    return router + idx + rows + _shared_saved(layout, n, path)
+
+
+def _shared_saved(layout: Layout, n: int, path: str) -> int:
+    """The shared expert (a SwiGLU of width Fs over all n tokens, moe.MoE.shared_experts): w1 and w3 outputs,
+    silu and the product, as a dense FFN's; its input is the router's (already counted), except that autocast
+    casts it once per w1 / w3."""
+    Fs = layout.shared_d_ff
+    if not Fs:
+        return 0
+    c = 4 if path == "fp32" else 2
+    return n * 4 * Fs * c + (2 * 2 * n * layout.d_model if path == "autocast" else 0)
 
 
 def _moe_mm(layout: Layout, n: int, c: int) -> int:
     _, Sk = _moe_slots(layout, n)
-    return n * layout.num_experts * 4 + Sk * (2 * layout.d_ff + layout.d_model) * c
+    shared = n * (2 * layout.shared_d_ff + layout.d_model) * c if layout.shared_d_ff else 0
+    return n * layout.num_experts * 4 + Sk * (2 * layout.d_ff + layout.d_model) * c + shared

@@ -30,6 +30,7 @@ from curry_train.estimator.layout import (
     Layout,
     _block_tensors,
     attention_flops_per_token,
+    block_kinds,
     flops_per_token,
     hardware_flops_per_token,
     rank_layers,
@@ -185,6 +186,7 @@ def _comm(layout: Layout, hw: HardwareProfile, t_compute: float) -> list[CommIte
         add("cp", "p2p", layout.cp, (fwd + bwd) * layers * m, (3 * layout.cp - 2) * layers * m,
             _span_link(layout, layout.cp, layout.tp), "attn", rails=_rails(layout, layout.cp, layout.tp))
     if layout.num_experts and layout.ep > 1:
+        layers = max(block_kinds(layout, stage_ids(layout, r))[1] for r in range(layout.pp))  # MoE blocks only
         n = layout.micro_batch * layout.seq_len // layout.cp
         _, Sk = _moe_slots(layout, n)
         cb = 2 if layout.precision != "fp32" else 4
@@ -298,10 +300,12 @@ def _stage_costs(layout: Layout, hw: HardwareProfile) -> tuple[float, float, flo
     attn_tok = attention_flops_per_token(layout)
     linear = tokens * (hardware_flops_per_token(layout) - head_tok - attn_tok) / layout.tp
     attn_peak = hw.peak_flops(ring_attention_dtype(layout)) if layout.cp > 1 else peak
-    n_block = sum(d0 * rest for d0, rest, _, _ in _block_tensors(layout))  # one block's local parameters (before FSDP)
+    # every block's local parameters (before FSDP): a MoE model's dense first blocks hold their own SwiGLU
+    n_blocks = sum(n * sum(d0 * rest for d0, rest, _, _ in _block_tensors(layout, dense=d))
+                   for n, d in ((layout.first_k_dense, True), (layout.n_layers - layout.first_k_dense, False)))
     lin_eff, head_eff, attn_eff, elem_bytes, param_bytes = block_rates(layout, hw)
     blocks = linear / (peak * lin_eff) + tokens * attn_tok / layout.tp / (attn_peak * attn_eff) + \
-        (tokens * layout.n_layers * elem_bytes + layout.n_micro_batches * layout.n_layers * n_block * param_bytes) / bw
+        (tokens * layout.n_layers * elem_bytes + layout.n_micro_batches * n_blocks * param_bytes) / bw
     head = tokens * head_tok / layout.tp / (peak * head_eff) + \
         tokens * 16.0 * layout.vocab_size / layout.tp / bw
     embed = layout.n_micro_batches * 8.0 * layout.vocab_size * layout.d_model / layout.tp / bw
@@ -317,10 +321,29 @@ def _pipeline(layout: Layout, hw: HardwareProfile) -> tuple[float, list[float]]:
     if layout.pp == 1:
         return blocks + head + embed, [blocks + head + embed]
     layers, first, last = _rank_layers(layout)
-    busy = [blocks * n / layout.n_layers for n in layers]
+    # each rank's share of the block time by its layers' forward FLOPs (pipeline_split.stage_costs: a MoE
+    # model's dense first blocks cost less than its MoE blocks)
+    if layout.first_k_dense:
+        w_dense, w_moe = _layer_weights(layout)
+        kinds = [block_kinds(layout, stage_ids(layout, r)) for r in range(layout.pp)]
+        total = layout.first_k_dense * w_dense + (layout.n_layers - layout.first_k_dense) * w_moe
+        busy = [blocks * (nd * w_dense + nm * w_moe) / total for nd, nm in kinds]
+    else:
+        busy = [blocks * n / layout.n_layers for n in layers]
     busy[first] += embed
     busy[last] += head
     return max(busy) + bubble_ratio(layout) * sum(busy) / layout.pp, busy
+
+
+def _layer_weights(layout: Layout) -> tuple[int, int]:
+    """(dense first block, MoE block) forward FLOPs per token (pipeline_split.stage_costs)."""
+    from curry_train.pipeline_split import stage_costs
+
+    shape = dict(d_model=layout.d_model, n_heads=layout.n_heads, n_kv_heads=layout.n_kv_heads,
+                 vocab_size=layout.vocab_size, seq_len=layout.seq_len)
+    moe = stage_costs(**shape, d_ff=layout.d_ff, num_experts=layout.num_experts, top_k=layout.top_k,
+                      shared_d_ff=layout.shared_d_ff)[0]
+    return stage_costs(**shape, d_ff=layout.dense_d_ff)[0], moe
 
 
 def _rank_layers(layout: Layout) -> tuple[tuple[int, ...], int, int]:

@@ -52,20 +52,28 @@ def gemm_efficiency(m: float, k: float, n: float, peak: float, mem_bw: float, ce
     return flops / (t * peak)
 
 
-def _linears(layout: Layout) -> list[tuple[float, float, float]]:
-    """(M tokens, K, N) of one block's Linears on one rank: TP-local widths (colwise splits N, rowwise K); a local
-    MoE expert sees top_k / num_experts of the tokens of the ep ranks its all-to-all gathers (uniform routing)."""
+def _linears(layout: Layout) -> list[tuple[float, float, float, float]]:
+    """(M tokens, K, N, blocks) of the Linears of a rank's blocks: TP-local widths (colwise splits N, rowwise K);
+    a local MoE expert sees top_k / num_experts of the tokens of the ep ranks its all-to-all gathers (uniform
+    routing), the shared expert every token (not TP-split, moe.MoE); `blocks` counts the blocks that run the
+    Linear (a MoE model's first_k_dense blocks run a dense SwiGLU of width dense_d_ff instead of the experts)."""
     M = float(layout.micro_batch_tokens)
     D, t, Dh = layout.d_model, layout.tp, layout.head_dim
     q, kv = layout.n_heads * Dh / t, layout.n_kv_heads * Dh / t
-    out = [(M, D, q), (M, D, kv), (M, D, kv), (M, q, D)]
+    L = float(layout.n_layers)
+    out = [(M, D, q, L), (M, D, kv, L), (M, D, kv, L), (M, q, D, L)]
     if layout.num_experts:
         Me = max(1.0, M * layout.top_k * layout.ep / layout.num_experts)
-        F = layout.d_ff
-        out += [(Me, D, F)] * 2 + [(Me, F, D)]
+        F, Fs, k = layout.d_ff, layout.shared_d_ff, float(layout.first_k_dense)
+        out += [(Me, D, F, L - k)] * 2 + [(Me, F, D, L - k)]
+        if Fs:
+            out += [(M, D, Fs, L - k)] * 2 + [(M, Fs, D, L - k)]
+        if k:
+            Fd = layout.dense_d_ff / t
+            out += [(M, D, Fd, k)] * 2 + [(M, Fd, D, k)]
     else:
         F = layout.d_ff / t
-        out += [(M, D, F)] * 2 + [(M, F, D)]
+        out += [(M, D, F, L)] * 2 + [(M, F, D, L)]
     return out
 
 
@@ -74,8 +82,8 @@ def linear_efficiency(layout: Layout, hw: HardwareProfile) -> float:
     peak, bw = hw.peak_flops(layout.dtype), hw.mem_bw_gbps * 1e9
     nbytes = 4 if layout.dtype == "float32" else 2
     flops = time = 0.0
-    for m, k, n in _linears(layout):
-        f = 2.0 * m * k * n
+    for m, k, n, blocks in _linears(layout):
+        f = 2.0 * m * k * n * blocks
         flops += f
         time += f / gemm_efficiency(m, k, n, peak, bw, hw.efficiency, nbytes)
     return flops / time if time > 0 else hw.efficiency
@@ -120,7 +128,12 @@ def elementwise_bytes(layout: Layout) -> float:
     b_s = 4 if layout.precision in ("fp32", "autocast") else 2
     t = layout.tp
     D, q, kv = layout.d_model, layout.n_heads * layout.head_dim / t, layout.n_kv_heads * layout.head_dim / t
-    F = layout.d_ff * layout.top_k if layout.num_experts else layout.d_ff / t
+    if layout.num_experts:  # SwiGLU widths one token passes, averaged over the MoE and the dense first blocks
+        k = layout.first_k_dense
+        F = ((layout.n_layers - k) * (layout.d_ff * layout.top_k + layout.shared_d_ff)
+             + k * layout.dense_d_ff / t) / layout.n_layers
+    else:
+        F = layout.d_ff / t
     seq_share = 1 / t if layout.sp else 1.0
     fwd = (2 * _norm_bytes(b_s) + 2 * (2 * b_s + b_c)) * D * seq_share + _rope_bytes(b_c) * (q + kv) + \
         2 * b_c * q + 5 * b_c * F
@@ -149,15 +162,18 @@ def block_rates(layout: Layout, hw: HardwareProfile) -> tuple[float, float, floa
     return _rates(layout.micro_batch, layout.seq_len, layout.cp, layout.tp, layout.ep, layout.sp, layout.d_model,
                   layout.n_heads, layout.n_kv_heads, layout.d_ff, layout.num_experts, layout.top_k,
                   layout.vocab_size, layout.dtype, layout.precision, layout.recompute, hw.peak_tflops_bf16,
-                  hw.peak_tflops_fp32, hw.mem_bw_gbps, hw.efficiency, hw.attention_efficiency)
+                  hw.peak_tflops_fp32, hw.mem_bw_gbps, hw.efficiency, hw.attention_efficiency,
+                  (layout.n_layers, layout.shared_d_ff, layout.first_k_dense, layout.dense_d_ff))
 
 
 @lru_cache(maxsize=4096)
 def _rates(mb: int, s: int, cp: int, tp: int, ep: int, sp: bool, D: int, H: int, G: int, F: int, E: int, K: int, V: int,
            dtype: str, precision: str, recompute: str, bf16: float, fp32: float, bw: float, eff: float,
-           attn: float) -> tuple[float, float, float, float, float]:
+           attn: float, blocks: tuple[int, int, int, int] = (1, 0, 0, 0)) -> tuple[float, float, float, float, float]:
+    L, Fs, k, Fd = blocks
     x = _Shape(micro_batch=mb, seq_len=s, cp=cp, tp=tp, ep=ep, sp=sp, d_model=D, n_heads=H, n_kv_heads=G, d_ff=F,
-               num_experts=E, top_k=K, vocab_size=V, dtype=dtype, precision=precision, recompute=recompute)
+               num_experts=E, top_k=K, vocab_size=V, dtype=dtype, precision=precision, recompute=recompute,
+               n_layers=L, shared_d_ff=Fs, first_k_dense=k, dense_d_ff=Fd or F)
     hw = _Speed(peak_tflops_bf16=bf16, peak_tflops_fp32=fp32, mem_bw_gbps=bw, efficiency=eff,
                 attention_efficiency=attn)
     return (linear_efficiency(x, hw), head_efficiency(x, hw), attention_efficiency(x, hw),  # type: ignore[arg-type]
@@ -184,6 +200,10 @@ class _Shape:
     dtype: str
     precision: str
     recompute: str
+    n_layers: int = 1
+    shared_d_ff: int = 0
+    first_k_dense: int = 0
+    dense_d_ff: int = 0
 
     @property
     def head_dim(self) -> int:

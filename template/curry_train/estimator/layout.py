@@ -9,8 +9,8 @@ from dataclasses import dataclass
 from functools import cached_property, lru_cache
 from typing import Any
 
-from curry_train.config import Config, loss_chunk_count
-from curry_train.pipeline_split import layers_per_stage
+from curry_train.config import Config, dense_width, loss_chunk_count, shared_width
+from curry_train.pipeline_split import layers_per_stage, stage_layer_range
 from curry_train.wrapping import data_parallel_wrapper, fsdp_holds_step
 
 GiB = 2**30
@@ -53,6 +53,10 @@ class Layout:
     dp_replicate: int = 1  # HSDP replicas (parallel.dp_replicate): FSDP shards over dpcp / dp_replicate ranks
     loss_chunks: int = 0  # train.loss_chunks (0 = auto): the LM head + loss in token chunks (config.loss_chunk_count)
     fsdp_keep_gathered: bool = False  # parallel.fsdp_keep_gathered: zero-2 units gathered across micro-batches
+    shared_d_ff: int = 0  # config.shared_width: the fused shared expert of each MoE block (0 = none)
+    first_k_dense: int = 0  # MoE models: the first blocks with a dense SwiGLU of width dense_d_ff
+    dense_d_ff: int = 0  # config.dense_width (d_ff when there is no dense-first block)
+    route_groups: int = 1  # group-limited routing (model.route_groups; 1 = off)
 
     @cached_property  # (read in the planner's hot loops; the fields are frozen)
     def shard(self) -> int:
@@ -119,7 +123,9 @@ def layout_of(cfg: Config) -> Layout:
                    device=device, gpus_per_node=h.gpus_per_node, nodes=h.nodes, gpu_memory_gib=h.gpu_memory_gib,
                    has_z_loss=m.z_loss_coef > 0, has_aux_loss=m.aux_loss_coef > 0,
                    pp_layers=tuple(p.pp_layers) if p.pp_layers else None, dp_replicate=p.dp_replicate,
-                   loss_chunks=t.loss_chunks, fsdp_keep_gathered=p.fsdp_keep_gathered)
+                   loss_chunks=t.loss_chunks, fsdp_keep_gathered=p.fsdp_keep_gathered,
+                   shared_d_ff=shared_width(m), first_k_dense=m.first_k_dense if m.num_experts else 0,
+                   dense_d_ff=dense_width(m), route_groups=m.route_groups)
 
 
 def stage_split(layout: Layout) -> tuple[int, ...]:
@@ -129,15 +135,35 @@ def stage_split(layout: Layout) -> tuple[int, ...]:
     given = layout.pp_layers
     explicit = given if given and len(given) == n_stages and sum(given) == layout.n_layers else None
     return _split(layout.n_layers, layout.pp, layout.pp_virtual, explicit, layout.d_model, layout.n_heads,
-                  layout.n_kv_heads, layout.d_ff, layout.vocab_size, layout.seq_len, layout.num_experts, layout.top_k)
+                  layout.n_kv_heads, layout.d_ff, layout.vocab_size, layout.seq_len, layout.num_experts, layout.top_k,
+                  layout.shared_d_ff, layout.first_k_dense, layout.dense_d_ff)
 
 
 @lru_cache(maxsize=4096)
 def _split(L: int, pp: int, v: int, explicit: tuple[int, ...] | None, D: int, H: int, G: int, F: int, V: int,
-           s: int, E: int, K: int) -> tuple[int, ...]:
+           s: int, E: int, K: int, Fs: int = 0, k_dense: int = 0, Fd: int = 0) -> tuple[int, ...]:
     """layers_per_stage, cached: the planner asks for the same split once per rank and candidate."""
     return layers_per_stage(n_layers=L, pp=pp, pp_virtual=v, pp_layers=explicit, d_model=D, n_heads=H,
-                            n_kv_heads=G, d_ff=F, vocab_size=V, seq_len=s, num_experts=E, top_k=K)
+                            n_kv_heads=G, d_ff=F, vocab_size=V, seq_len=s, num_experts=E, top_k=K, shared_d_ff=Fs,
+                            first_k_dense=k_dense, dense_d_ff=Fd)
+
+
+def block_kinds(layout: Layout, stages: list[int] | tuple[int, ...]) -> tuple[int, int]:
+    """(dense blocks, MoE blocks) a pipeline rank holding `stages` runs: a MoE model's first first_k_dense
+    global layers are dense (config.is_moe_block); a dense model's are all dense."""
+    split = stage_split(layout)
+    layers = [i for s_ in stages for i in stage_layer_range(split, s_)]
+    if not layout.num_experts:
+        return len(layers), 0
+    dense = sum(1 for i in layers if i < layout.first_k_dense)
+    return dense, len(layers) - dense
+
+
+def dense_view(layout: Layout) -> Layout:
+    """A dense block of a MoE model seen as a dense model's (for its tensors and activations): SwiGLU of width
+    dense_d_ff, no router, no experts."""
+    return replace_layout(layout, num_experts=0, d_ff=layout.dense_d_ff, shared_d_ff=0, first_k_dense=0,
+                          route_groups=1, has_aux_loss=False, has_z_loss=False)
 
 
 def rank_layers(layout: Layout, stages: list[int] | tuple[int, ...]) -> int:
@@ -151,8 +177,11 @@ def rank_layers(layout: Layout, stages: list[int] | tuple[int, ...]) -> int:
 _Tensor = tuple[int, int, int, str]
 
 
-def _block_tensors(layout: Layout) -> list[_Tensor]:
-    """A transformer block's parameters, TP-local (colwise: dim 0 / tp; rowwise: dim 1 / tp)."""
+def _block_tensors(layout: Layout, dense: bool = False) -> list[_Tensor]:
+    """A transformer block's parameters, TP-local (colwise: dim 0 / tp; rowwise: dim 1 / tp); `dense`: one of a
+    MoE model's first_k_dense blocks (SwiGLU of width dense_d_ff)."""
+    if dense and layout.num_experts:
+        return _block_tensors(dense_view(layout))
     D, t, Dh = layout.d_model, layout.tp, layout.head_dim
     q, kv = layout.n_heads * Dh, layout.n_kv_heads * Dh
     out: list[_Tensor] = [(D, 1, D, "dense"), (q // t, D, q * D, "dense"), (kv // t, D, kv * D, "dense"),
@@ -163,6 +192,9 @@ def _block_tensors(layout: Layout) -> list[_Tensor]:
         out.append((E, D, E * D, "dense"))  # router gate [E, D], replicated over tp
         kind = "expert" if layout.ep > 1 else "dense"
         out += [(El, D * F, E * D * F, kind)] * 3  # w1, w3 [El, D, F]; w2 [El, F, D]
+        Fs = layout.shared_d_ff  # the shared expert: plain Linears, replicated over tp and ep like the router
+        if Fs:
+            out += [(Fs, D, Fs * D, "dense"), (Fs, D, Fs * D, "dense"), (D, Fs, D * Fs, "dense")]
     else:
         F = layout.d_ff
         Fl = F // t
@@ -183,8 +215,10 @@ def _root_tensors(layout: Layout, embed: bool, head: bool) -> list[_Tensor]:
 def param_count(cfg: Config) -> int:
     """Parameters of the whole model (model.py's module structure: untied head, separate q/k/v, router)."""
     layout = layout_of(cfg)
-    blk = sum(g for _, _, g, _ in _block_tensors(replace_layout(layout, tp=1, ep=1)))
-    return layout.n_layers * blk + 2 * layout.vocab_size * layout.d_model + layout.d_model
+    one = replace_layout(layout, tp=1, ep=1)
+    blk, dense = (sum(g for _, _, g, _ in _block_tensors(one, dense=d)) for d in (False, True))
+    k = layout.first_k_dense
+    return (layout.n_layers - k) * blk + k * dense + 2 * layout.vocab_size * layout.d_model + layout.d_model
 
 
 def replace_layout(layout: Layout, **fields: Any) -> Layout:
@@ -198,8 +232,13 @@ def active_params(cfg: Config | Layout) -> int:
     layout = cfg if isinstance(cfg, Layout) else layout_of(cfg)
     D, Dh = layout.d_model, layout.head_dim
     attn = D * layout.n_heads * Dh * 2 + D * layout.n_kv_heads * Dh * 2
-    ffn = (layout.num_experts * D + layout.top_k * 3 * D * layout.d_ff) if layout.num_experts else 3 * D * layout.d_ff
-    return layout.n_layers * (attn + ffn) + layout.vocab_size * D
+    if layout.num_experts:  # router + top-k routed experts + the shared expert; the dense first blocks' SwiGLU
+        ffn = layout.num_experts * D + layout.top_k * 3 * D * layout.d_ff + 3 * D * layout.shared_d_ff
+        k = layout.first_k_dense
+        ffn_all = (layout.n_layers - k) * ffn + k * 3 * D * layout.dense_d_ff
+    else:
+        ffn_all = layout.n_layers * 3 * D * layout.d_ff
+    return layout.n_layers * attn + ffn_all + layout.vocab_size * D
 
 
 # The one MFU convention (docs/ESTIMATION.md "MFU"): model FLOPs count causal attention at half, as the kernels run

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from curry_train.estimator.acts import _Acts, _acts
-from curry_train.estimator.layout import Layout, _block_tensors, stage_split
+from curry_train.estimator.layout import Layout, _block_tensors, block_kinds, dense_view, stage_split
 from curry_train.estimator.pipeline import _PipeState, stage_ids
 from curry_train.estimator.states import _States, _states
 
@@ -116,12 +116,26 @@ class RankView:
     block_local: int  # parameters of one block on this rank (TP/EP-local)
     w2: int  # parameters of the FFN's output projection (experts: all local ones)
     head_numel: int  # LM head weight and final norm, TP-local
+    # per chunk: every layer's saved activations (dense first blocks and MoE blocks each at their own size), and
+    # its first layer's; and the autocast weight copies of all this rank's blocks
+    chunk_saved: tuple[int, ...] = ()
+    first_saved: tuple[int, ...] = ()
+    pcopy_blocks: int = 0
 
 
 def rank_view(layout: Layout, pp_rank: int) -> RankView:
     stages = stage_ids(layout, pp_rank)
     st = _states(layout, stages)
-    a = _acts(layout)
+    kinds = block_kinds(layout, stages)
+    a_dense = _acts(dense_view(layout)) if layout.num_experts and kinds[0] else None
+    a = _acts(layout) if kinds[1] or a_dense is None else a_dense  # the MoE blocks' where the rank has any
+    per_kind = (a_dense or a, a)
+
+    def saved(stage_set: tuple[int, ...]) -> int:
+        return sum(n * k.layer_saved for n, k in zip(block_kinds(layout, stage_set), per_kind))
+
+    def first(stage: int) -> int:  # the stage's first global layer: dense when below first_k_dense
+        return per_kind[0 if sum(stage_split(layout)[:stage]) < layout.first_k_dense else 1].layer_saved
     n_stages = layout.pp * layout.pp_virtual
     chunk_layers = [stage_split(layout)[s_] for s_ in stages]
     has_embed, has_head = 0 in stages, n_stages - 1 in stages
@@ -143,10 +157,10 @@ def rank_view(layout: Layout, pp_rank: int) -> RankView:
     if layout.recompute == "selective":
         # SAC keeps one of its cached [n, D] matmul outputs until the block's backward ends (measured)
         rec += layout.micro_batch_tokens * D * (4 if layout.precision == "fp32" else 2)
-    if layout.num_experts:
-        w2 = (layout.num_experts // layout.ep) * layout.d_ff * D
+    if kinds[1]:
+        w2 = (layout.num_experts // layout.ep) * layout.d_ff * D + D * layout.shared_d_ff
     else:
-        w2 = D * (layout.d_ff // tp)
+        w2 = D * (layout.dense_d_ff // tp if layout.num_experts else layout.d_ff // tp)
     return RankView(layout=layout, stages=stages, st=st, a=a, chunk_layers=chunk_layers, n_blocks=sum(chunk_layers),
                     has_embed=has_embed, has_head=has_head,
                     head_chunk=stages.index(n_stages - 1) if has_head else -1, n_stages=n_stages, fsdp=fsdp,
@@ -154,8 +168,10 @@ def rank_view(layout: Layout, pp_rank: int) -> RankView:
                     fsdp_accum=_fsdp_accumulates(layout), compute_bytes=cb,
                     grad_bytes=cb if fsdp else 4, data=_data_bytes(layout), other_base=other, detail=detail,
                     tp_embed=tp_embed, recompute_extra=rec,
-                    block_local=sum(d0 * r_ for d0, r_, _, _ in _block_tensors(layout)), w2=w2,
-                    head_numel=(V // tp) * D + D)
+                    block_local=sum(d0 * r_ for d0, r_, _, _ in _block_tensors(layout, dense=not kinds[1])), w2=w2,
+                    head_numel=(V // tp) * D + D, chunk_saved=tuple(saved((s_,)) for s_ in stages),
+                    first_saved=tuple(first(s_) for s_ in stages),
+                    pcopy_blocks=sum(n * k.pcopy_layer for n, k in zip(kinds, per_kind)))
 
 
 def _fsdp_accumulates(layout: Layout) -> bool:
@@ -198,7 +214,7 @@ def state_view(r: RankView, ps: _PipeState) -> StateView:
     other = r.other_base + sum(n * (lay[ci] * a.lin_out_grads + (a.grad_logits_all if ci == r.head_chunk else 0))
                                for ci, n in enumerate(ps.pending))
     k_total = sum(held)
-    acts = sum(k * (lay[ci] * a.layer_saved + a.rope) for ci, k in enumerate(held)) + r.data
+    acts = sum(k * (r.chunk_saved[ci] + a.rope) for ci, k in enumerate(held)) + r.data
     if r.has_embed:  # (a pipeline's ids are views of the concatenated batch: only TP's masks are new)
         acts += held[r.stages.index(0)] * (a.embed - (layout.micro_batch_tokens * 8 if layout.pp > 1 else 0))
     if layout.pp > 1:  # a stage's output stays in the schedule's fwd_cache until its backward (+1, measured)
@@ -206,8 +222,7 @@ def state_view(r: RankView, ps: _PipeState) -> StateView:
         acts += (outs + (1 if outs else 0)) * a.stream
     # autocast caches its weight casts for the whole `with autocast()` region: one set per micro-batch
     # (train.forward_backward), or one for the whole pipeline step (all micro-batches inside one region)
-    n_sets = r.n_blocks if layout.pp > 1 else k_total * r.n_blocks
-    pcopies = n_sets * a.pcopy_layer + (a.pcopy_head if r.has_head else 0)
+    pcopies = (1 if layout.pp > 1 else k_total) * r.pcopy_blocks + (a.pcopy_head if r.has_head else 0)
     lsm_kept = a.lsm if a.chunks == 1 else 0  # a chunked loss keeps a scalar per chunk, not the log-softmax
     if r.has_head and layout.pp > 1:
         k_head = held[r.head_chunk]

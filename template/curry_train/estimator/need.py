@@ -54,15 +54,23 @@ def layout_need_every_rank(layout: Layout) -> int:
     return max(rank_need(layout, r) for r in range(layout.pp))
 
 
-def stage_content(layout: Layout, pp_rank: int) -> tuple[tuple[int, bool, bool], ...]:
-    """Per stage this rank holds, in order: (its layers, first stage, last stage)."""
+def stage_content(layout: Layout, pp_rank: int) -> tuple[tuple[int, bool, bool, int], ...]:
+    """Per stage this rank holds, in order: (its layers, first stage, last stage, of its layers the dense first
+    blocks of a MoE model: they hold less than its MoE blocks)."""
     return stage_contents(layout)[pp_rank]
 
 
-def stage_contents(layout: Layout) -> tuple[tuple[tuple[int, bool, bool], ...], ...]:
+def stage_contents(layout: Layout) -> tuple[tuple[tuple[int, bool, bool, int], ...], ...]:
     """stage_content of every pipeline rank (the split computed once)."""
     n_stages, split = layout.pp * layout.pp_virtual, stage_split(layout)
-    return tuple(tuple((split[s], s == 0, s == n_stages - 1) for s in stage_ids(layout, r)) for r in range(layout.pp))
+    k = layout.first_k_dense if layout.num_experts else 0
+
+    def dense(s: int) -> int:  # layers of stage s below first_k_dense
+        start = sum(split[:s])
+        return max(0, min(k, start + split[s]) - start)
+
+    return tuple(tuple((split[s], s == 0, s == n_stages - 1, dense(s)) for s in stage_ids(layout, r))
+                 for r in range(layout.pp))
 
 
 def rank_classes(layout: Layout) -> tuple[int, ...]:

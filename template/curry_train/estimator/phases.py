@@ -32,7 +32,7 @@ def units_gathered_zero_bubble(r: RankView, s: StateView) -> list[Moment]:
             and not s.own_kept and not ps.fwd):
         return []
     c, lay = ps.chunk, r.chunk_layers
-    root_c = st.chunk_units[c] - lay[c] * st.unit_max
+    root_c = st.chunk_roots[c]
     p_g, o_g = max((st.chunk_units[c], st.unit_max if lay[c] else root_c), (root_c, root_c), key=sum)
     acts_g = s.head_acts if r.has_head and layout.pp > 1 else s.acts + s.logits_alive
     s.own_kept = True
@@ -45,7 +45,7 @@ def forward_units_kept(r: RankView, s: StateView) -> list[Moment]:
     and FSDP2 holds that block's flat all-gather output until the next copy-out
     (_fsdp_param_group.FSDPParamGroup.wait_for_unshard, implicit forward prefetch)."""
     st, a, ps = r.st, r.a, s.ps
-    root_c = st.chunk_units[ps.chunk] - r.chunk_layers[ps.chunk] * st.unit_max
+    root_c = st.chunk_roots[ps.chunk]
     acts_f = s.acts + (a.logits if ps.chunk == r.head_chunk else 0)
     return [Moment("forward (units kept)", s.param_copies + s.kept_other + root_c + st.unit_max, s.grads_prev,
                    acts_f, s.other + st.unit_max + a.stream, {}, s.gbuf_prev)]
@@ -143,6 +143,12 @@ def last_block_backward(r: RankView, s: StateView) -> list[Moment]:
         else:
             acts_i, o_i = acts3, o3
         out.append(Moment("input backward (zero bubble)", p3, g3, acts_i, o_i + 5 * a.stream, {}, b3))
+    if a.shared_prod:  # MoE: the shared expert's SwiGLU backward first, the routed experts' still saved; under
+        # zero 3 with ep > 1 the experts' own FSDP unit is gathered only when their backward starts
+        own_unit = r.zero3 and layout.ep > 1 and not s.own_kept
+        experts = r.compute_bytes * 3 * (layout.num_experts // layout.ep) * layout.d_model * layout.d_ff
+        out.append(Moment("block backward (shared expert)", p3 - (experts if own_unit else 0), g3,
+                          acts3 - a.shared_prod, o3 + 3 * a.shared_prod, {}, b3))
     out.append(Moment("block backward (SwiGLU)", p3, g3, acts3 - a.prod, o3 + a.ffn_bwd, {}, b3))
     out.append(Moment("block backward (norm)", p3, g3, acts3 - a.ffn_saved, o3 + 5 * a.stream, {}, b3))
     return out
@@ -158,7 +164,7 @@ def first_block_units_kept(r: RankView, s: StateView) -> list[Moment]:
         return []
     acts3 = _block_backward(r, s)[-1]
     lay = r.chunk_layers
-    acts_end = acts3 - (lay[c] - 1) * a.layer_saved - (a.logits if c == r.head_chunk else 0)
+    acts_end = acts3 - (r.chunk_saved[c] - r.first_saved[c]) - (a.logits if c == r.head_chunk else 0)
     if c == r.head_chunk:  # the other micro-batches' saved head activations (GPipe holds m, measured)
         acts_end += (s.ps.held[c] - 1) * a.head
     g_end, b_end = s.grads_prev, s.gbuf_prev

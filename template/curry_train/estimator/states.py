@@ -8,7 +8,7 @@ import heapq
 from dataclasses import dataclass
 from functools import lru_cache
 
-from curry_train.estimator.layout import Layout, _block_tensors, _root_tensors, _Tensor, rank_layers
+from curry_train.estimator.layout import Layout, _block_tensors, _root_tensors, _Tensor, block_kinds
 from curry_train.wrapping import shards_optimizer_only
 
 
@@ -42,6 +42,7 @@ class _States:
     largest_tensor: int
     root_stored: int = 0  # of which the root unit's (embedding, final norm, head)
     chunk_units: tuple[int, ...] = ()  # per pipeline chunk (stage) of this rank: its units gathered (compute bytes)
+    chunk_roots: tuple[int, ...] = ()  # of which the root unit's part (embedding / head) per chunk
 
 
 def _states(layout: Layout, stages: list[int]) -> _States:
@@ -50,15 +51,15 @@ def _states(layout: Layout, stages: list[int]) -> _States:
 
 @lru_cache(maxsize=8192)
 def _states_cached(layout: Layout, stages: tuple[int, ...]) -> _States:
-    """Parameters, gradients and AdamW state of one pipeline rank (blocks are identical: sums per block)."""
+    """Parameters, gradients and AdamW state of one pipeline rank: sums per block kind (a MoE model's dense
+    first blocks and its MoE blocks; pipeline_split: stages may hold different layer counts)."""
     n_stages = layout.pp * layout.pp_virtual
-    n_blocks = rank_layers(layout, stages)  # pipeline_split: stages may hold different layer counts
-    blk = _block_tensors(layout)
+    kinds = [(n, _block_tensors(layout, dense=d)) for n, d in zip(block_kinds(layout, stages), (True, False)) if n]
+    blk = [tn for _, tensors in kinds for tn in tensors]  # one block of each kind present
     root = _root_tensors(layout, 0 in stages, n_stages - 1 in stages)
-    blk_local = sum(d0 * r for d0, r, _, _ in blk)
     root_local = sum(d0 * r for d0, r, _, _ in root)
-    n_local = n_blocks * blk_local + root_local
-    n_tensors = n_blocks * len(blk) + len(root)
+    n_local = sum(n * sum(d0 * r for d0, r, _, _ in ts) for n, ts in kinds) + root_local
+    n_tensors = sum(n * len(ts) for n, ts in kinds) + len(root)
     cbytes = 2 if layout.precision == "mp" else 4
     edp = (layout.dp // layout.ep) * layout.cp
     dense_group = layout.shard  # HSDP shards dense tensors over dp*cp/dp_replicate ranks
@@ -76,20 +77,28 @@ def _states_cached(layout: Layout, stages: tuple[int, ...]) -> _States:
 
     step_bytes = 4 if layout.device == "cpu" else 0
     if layout.fsdp:
-        blk_shard, root_shard = sum(shard(tn) for tn in blk), sum(shard(tn) for tn in root)
-        stored = n_blocks * blk_shard + root_shard
-        unit = sum(shard(tn) * group(tn) for tn in blk)  # padded unsharded block (experts nested: same sum)
+        root_shard = sum(shard(tn) for tn in root)
+        stored = sum(n * sum(shard(tn) for tn in ts) for n, ts in kinds) + root_shard
+        # padded unsharded block (experts nested: same sum), per kind: dense first blocks are smaller units
+        units = {d: sum(shard(tn) * group(tn) for tn in _block_tensors(layout, dense=d)) for d in (True, False)}
+        unit = max(sum(shard(tn) * group(tn) for tn in ts) for _, ts in kinds)
         root_sz = sum(shard(tn) * group(tn) for tn in root)
         largest = max([shard(tn) for tn in blk + root], default=0)
-        chunks = tuple(cbytes * (rank_layers(layout, (s_,)) * unit + sum(
-            shard(tn) * group(tn) for tn in _root_tensors(layout, s_ == 0, s_ == n_stages - 1))) for s_ in stages)
+
+        def gathered(stage_set: tuple[int, ...]) -> int:
+            return sum(n * units[d] for n, d in zip(block_kinds(layout, stage_set), (True, False)))
+
+        roots = tuple(cbytes * sum(shard(tn) * group(tn) for tn in _root_tensors(layout, s_ == 0, s_ == n_stages - 1))
+                      for s_ in stages)
+        chunks = tuple(cbytes * gathered((s_,)) + rt for s_, rt in zip(stages, roots))
         return _States(params=4 * stored, grads_full=4 * stored, opt=8 * stored +
                        step_bytes * n_tensors, ddp_buckets=0, unit_max=cbytes * unit, root_unit=cbytes * root_sz,
-                       all_units=cbytes * (n_blocks * unit + root_sz), rs_buffer=4 * unit,
+                       all_units=cbytes * (gathered(stages) + root_sz), rs_buffer=4 * unit,
                        step_transient=_step_transient(layout, 4 * largest, 4 * stored), n_local=n_local,
-                       n_stored=stored, largest_tensor=largest, root_stored=root_shard, chunk_units=chunks)
+                       n_stored=stored, largest_tensor=largest, root_stored=root_shard, chunk_units=chunks,
+                       chunk_roots=roots)
     if shards_optimizer_only(layout.dp, layout.cp, layout.zero, layout.tp):  # ZeRO-1 (wrapping.py)
-        every = blk * n_blocks + root
+        every = [tn for n, ts in kinds for tn in ts * n] + root
         owned = _zero1_max_share(tuple(g if r > 1 else d0 for d0, r, g, _ in every),
                                  tuple(d0 * r for d0, r, _, _ in every), layout.dpcp)
         opt = 8 * owned + step_bytes * -(-n_tensors // layout.dpcp)
@@ -100,7 +109,7 @@ def _states_cached(layout: Layout, stages: tuple[int, ...]) -> _States:
     ddp_params = n_local
     # expert shards are on DDP's ignore list (synced by expert_parallel.sync_expert_grads)
     if layout.num_experts and layout.ep > 1:
-        ddp_params -= n_blocks * sum(d0 * r for d0, r, _, k in blk if k == "expert")
+        ddp_params -= sum(n * sum(d0 * r for d0, r, _, k in ts if k == "expert") for n, ts in kinds)
     largest = max([d0 * r for d0, r, _, _ in blk + root], default=0)
     grads = 4 * n_local
     if layout.tp > 1 and 0 in stages:

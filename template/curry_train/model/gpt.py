@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from curry_train.config import Config, ModelConfig, loss_chunk_count
+from curry_train.config import Config, ModelConfig, dense_width, is_moe_block, loss_chunk_count, shared_width
 
 
 class RMSNorm(nn.Module):
@@ -94,17 +94,18 @@ class FeedForward(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, m: ModelConfig):
+    def __init__(self, m: ModelConfig, layer: int = 0):
         super().__init__()
         self.attention_norm = RMSNorm(m.d_model, m.norm_eps)
         self.attention = Attention(m)
         self.ffn_norm = RMSNorm(m.d_model, m.norm_eps)
-        if m.num_experts > 0:
+        if is_moe_block(m, layer):  # a MoE model's blocks past its first_k_dense (DeepSeek-V3: 3 dense)
             from curry_train.model.moe import MoE  # the MoE FFN slot
 
-            self.feed_forward: nn.Module = MoE(m)
+            fs = shared_width(m)  # DeepSeekMoE's shared experts: one SwiGLU every token passes (model/moe.py)
+            self.feed_forward: nn.Module = MoE(m, FeedForward(m.d_model, fs) if fs else None)
         else:
-            self.feed_forward = FeedForward(m.d_model, m.d_ff)
+            self.feed_forward = FeedForward(m.d_model, dense_width(m))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), cos, sin)
@@ -119,7 +120,7 @@ class Transformer(nn.Module):
         m = cfg.model
         self.model_args = m
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(m.vocab_size, m.d_model)
-        self.layers = nn.ModuleDict({str(i): Block(m) for i in range(m.n_layers)})
+        self.layers = nn.ModuleDict({str(i): Block(m, i) for i in range(m.n_layers)})
         self.norm: RMSNorm | None = RMSNorm(m.d_model, m.norm_eps)
         self.output: nn.Linear | None = nn.Linear(m.d_model, m.vocab_size, bias=False)
         cos, sin = rope_tables(m.d_model // m.n_heads, cfg.train.seq_len, m.rope_theta)

@@ -1,9 +1,11 @@
-"""Mixture-of-experts FFN: a softmax top-k router and batched SwiGLU experts, dispatched by expert id.
+"""Mixture-of-experts FFN: a softmax top-k router (optionally group-limited) and batched SwiGLU experts,
+dispatched by expert id, plus always-active shared experts (DeepSeekMoE).
 
     .venv/bin/pytest tests/parallel/test_moe.py
 
 Shape legend: N local tokens (B*T), D d_model, F d_ff per expert, E experts, El experts on this rank (E / ep),
-K top-k, S = N*K routing slots (slot n*K + k = token n's k-th choice), C capacity per expert, R rows received.
+K top-k, S = N*K routing slots (slot n*K + k = token n's k-th choice), C capacity per expert, R rows received,
+G route groups, Eg = E / G experts per group, M groups a token may use, Fs the fused shared expert's width.
 
 One code path for every layout: expert parallelism (parallel/expert_parallel.py) only sets `ep_group`, keeps
 this rank's El experts, and the dispatch below turns into two all-to-alls (comms.all_to_all is the identity
@@ -121,7 +123,8 @@ class TopKRouter(nn.Module):
         with torch.autocast(x.device.type, enabled=False):
             logits = F.linear(x.to(dtype), self.gate.weight.to(dtype))  # [N, E]
         probs = logits.softmax(-1)  # [N, E]
-        top_p, top_e = probs.topk(m.top_k, dim=-1)  # [N, K]
+        choose = group_limited(probs, m.route_groups, m.route_top_groups) if m.route_groups > 1 else probs
+        top_p, top_e = choose.topk(m.top_k, dim=-1)  # [N, K]
         weights = top_p / top_p.sum(-1, keepdim=True)
         if m.capacity_factor > 0 and comms.group_size(self.stats_group) > 1:  # CP: capacity per whole sequence
             keep = capacity_keep_cp(top_e, batch, m, self.stats_group)
@@ -142,18 +145,41 @@ class TopKRouter(nn.Module):
         return Routing(experts=top_e, weights=weights, keep=keep, aux_loss=aux)
 
 
+def group_limited(probs: torch.Tensor, groups: int, top_groups: int) -> torch.Tensor:
+    """Group-limited routing (DeepSeek-V3, arXiv:2412.19437 §2.1.2, "node-limited routing"; DeepSeek-V2 §2.1.3):
+    the E experts form `groups` equal groups (experts [g*Eg, (g+1)*Eg)); a group's score for a token is the sum
+    of its two highest probabilities (V3's rule; V2 took the maximum), and the token may only choose among the
+    experts of its `top_groups` best groups. probs [N, E] -> [N, E] with the other groups' entries at -1, below
+    every probability, so the top-k that follows picks inside the chosen groups and the gates keep the original
+    probabilities. With groups = the EP ranks' nodes, each token's all-to-all reaches at most top_groups nodes.
+    Scored on the softmax probabilities (this router's affinities), not V3's sigmoid with a balancing bias."""
+    N, E = probs.shape
+    Eg = E // groups
+    score = probs.view(N, groups, Eg).topk(min(2, Eg), dim=-1).values.sum(-1)  # [N, G]
+    best = score.topk(top_groups, dim=-1).indices  # [N, M]
+    allowed = torch.zeros(N, groups, dtype=torch.bool, device=probs.device).scatter_(1, best, True)  # [N, G]
+    return probs.masked_fill(~allowed.repeat_interleave(Eg, dim=1), -1.0)  # [N, E]
+
+
 class MoE(nn.Module):
-    """The FFN slot of a block when num_experts > 0: router -> dispatch -> experts -> combine.
+    """The FFN slot of a MoE block: router -> dispatch -> experts -> combine, plus the shared experts.
+
+    Shared experts (DeepSeekMoE, Dai et al. 2024 §3.2; DeepSeek-V2/V3) see every token: n_shared_experts SwiGLUs
+    of width d_ff are one SwiGLU of width Fs = config.shared_width (their concatenation, as DeepSeek's released
+    code builds them), added to the routed output. Their parameters are ordinary dense ones: replicated over ep
+    and averaged over dp like the router, never on the expert all-to-all.
 
     After each forward: `aux_loss` (added by model.aux_loss), `tokens_per_expert` [E] (kept slots this rank
     routed), `dropped_slots`, and `tokens_received` [El] (rows each local expert processed: the EP load).
     """
 
-    def __init__(self, m: ModelConfig):
+    def __init__(self, m: ModelConfig, shared_experts: nn.Module | None = None):
         super().__init__()
         self.m = m
         self.router = TopKRouter(m)
         self.experts = Experts(m.num_experts, m.d_model, m.d_ff)
+        # gpt.Block passes its SwiGLU of width config.shared_width (w1/w3 [Fs, D], w2 [D, Fs]); None = none
+        self.shared_experts = shared_experts
         self.ep_group: Any = None  # set by apply_ep; None = all experts local
         # set by apply_pp: the router losses get their gradient in backward (AuxLossBackward), not via the loss
         self.aux_grad_scale: float | None = None
@@ -184,6 +210,8 @@ class MoE(nn.Module):
         # Combine: dropped slots contribute 0 (the residual carries the token, Fedus et al. 2021 §2.2).
         y_slots = y_sent.new_zeros(flat_e.numel(), D).index_copy(0, order, y_sent)  # [S, D]
         y = (y_slots.view(-1, K, D) * r.weights.to(y_slots.dtype).unsqueeze(-1)).sum(1)  # [N, D]
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(xf)  # [N, D]: every token, no routing weight
         if self.aux_grad_scale is not None and r.aux_loss is not None and torch.is_grad_enabled():
             y = AuxLossBackward.apply(y, r.aux_loss, self.aux_grad_scale)
         return y.view(B, T, D)

@@ -10,7 +10,7 @@ Torch-free, without runtime imports from `curry_train.config` (it imports this p
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel
 
@@ -101,9 +101,17 @@ def check(cfg: Config) -> list[Problem]:
         if m.num_experts % p.ep:
             bad(["model.num_experts", "parallel.ep"], f"num_experts={m.num_experts} is not divisible by ep={p.ep}",
                 f"use ep in {divisors(m.num_experts)}")
+        _check_frontier_moe(m, p, bad)
     elif p.ep > 1:
         bad(["parallel.ep", "model.num_experts"], "expert parallel needs a MoE model, but num_experts=0",
             "set parallel.ep=1 (dense models have no experts to shard)")
+    if not m.num_experts:
+        for field, val, off in (("n_shared_experts", m.n_shared_experts, 0), ("shared_d_ff", m.shared_d_ff, 0),
+                                ("first_k_dense", m.first_k_dense, 0), ("dense_d_ff", m.dense_d_ff, 0),
+                                ("route_groups", m.route_groups, 1), ("route_top_groups", m.route_top_groups, 1)):
+            if val != off:
+                bad([f"model.{field}", "model.num_experts"], f"{field}={val} is a MoE setting, but num_experts=0",
+                    f"set model.{field}={off}, or model.num_experts > 0")
     if p.ep > 1 and p.dp % p.ep:
         bad(["parallel.ep", "parallel.dp"], f"ep={p.ep} is carved from the dp ranks but does not divide dp={p.dp}",
             f"use ep in {divisors(p.dp)}")
@@ -190,3 +198,28 @@ def vocab_pad_hint(vocab: int, tp: int) -> str:
             f"(a multiple of 64*tp = {mult}, as Megatron does)")
 
 
+def _check_frontier_moe(m: Any, p: Any, bad: Any) -> None:
+    """Shared experts, dense first blocks and group-limited routing (docs/ARCHITECTURE.md#mixture-of-experts)."""
+    if m.shared_d_ff and not m.n_shared_experts:
+        bad(["model.shared_d_ff", "model.n_shared_experts"], f"shared_d_ff={m.shared_d_ff} sizes a shared expert, "
+            "but n_shared_experts=0", "set model.n_shared_experts >= 1, or model.shared_d_ff=0")
+    if m.first_k_dense >= m.n_layers:
+        bad(["model.first_k_dense", "model.n_layers"], f"first_k_dense={m.first_k_dense} leaves no MoE block of "
+            f"n_layers={m.n_layers}", f"use first_k_dense < {m.n_layers}, or num_experts=0 for a dense model")
+    if m.dense_d_ff and not m.first_k_dense:
+        bad(["model.dense_d_ff", "model.first_k_dense"], f"dense_d_ff={m.dense_d_ff} sizes the dense first "
+            "blocks, but first_k_dense=0", "set model.first_k_dense >= 1, or model.dense_d_ff=0")
+    if p.tp > 1 and m.first_k_dense and (m.dense_d_ff or m.d_ff) % p.tp:
+        bad(["model.dense_d_ff", "parallel.tp"], f"the dense blocks' d_ff={m.dense_d_ff or m.d_ff} is not "
+            f"divisible by tp={p.tp}", "use a tp that divides model.dense_d_ff")
+    G, M = m.route_groups, m.route_top_groups
+    if m.num_experts % G:
+        bad(["model.route_groups", "model.num_experts"], f"num_experts={m.num_experts} does not split into "
+            f"route_groups={G} equal groups", f"use route_groups in {divisors(m.num_experts)}")
+    elif M > G:
+        bad(["model.route_top_groups", "model.route_groups"], f"route_top_groups={M} > route_groups={G}",
+            f"use route_top_groups <= {G}")
+    elif M * (m.num_experts // G) < m.top_k:
+        bad(["model.route_top_groups", "model.top_k"], f"route_top_groups={M} groups of {m.num_experts // G} "
+            f"experts hold fewer than top_k={m.top_k} experts",
+            f"use route_top_groups >= {-(-m.top_k // (m.num_experts // G))}")

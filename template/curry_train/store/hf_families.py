@@ -33,7 +33,9 @@ MAPPED = {"vocab_size": "model.vocab_size", "hidden_size": "model.d_model", "num
           "intermediate_size": "model.d_ff", "rope_theta": "model.rope_theta", "rms_norm_eps": "model.norm_eps",
           "num_local_experts": "model.num_experts", "n_routed_experts": "model.num_experts",
           "num_experts_per_tok": "model.top_k", "router_aux_loss_coef": "model.aux_loss_coef",
-          "aux_loss_alpha": "model.aux_loss_coef", "moe_intermediate_size": "model.d_ff"}
+          "aux_loss_alpha": "model.aux_loss_coef", "moe_intermediate_size": "model.d_ff",
+          "n_shared_experts": "model.n_shared_experts", "first_k_dense_replace": "model.first_k_dense",
+          "n_group": "model.route_groups", "topk_group": "model.route_top_groups"}
 REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
 
 
@@ -114,19 +116,7 @@ def _mlp(c: _Ctx) -> list[Difference]:
         d, f, n = c.get("hidden_size"), c.get("intermediate_size"), c.get("num_hidden_layers")
         out.append(Difference(field="mlp_bias", value=True, structural=False, params=n * (2 * f + d),
                               reason="the template's linear layers have no bias"))
-    if c.family == "deepseek_v3":
-        d, n = c.get("hidden_size"), c.get("num_hidden_layers")
-        shared, dense = c.get("n_shared_experts") or 0, c.get("first_k_dense_replace") or 0
-        fe, fd = c.get("moe_intermediate_size"), c.get("intermediate_size")
-        if shared:
-            out.append(Difference(field="n_shared_experts", value=shared, structural=True,
-                                  params=(n - dense) * shared * 3 * d * fe,
-                                  reason="the template has no shared (always-on) experts"))
-        if dense:
-            out.append(Difference(field="first_k_dense_replace", value=dense, structural=True,
-                                  params=dense * 3 * d * fd,
-                                  reason=f"the template has no dense layers in an MoE model (the first {dense} "
-                                         f"layers are dense MLPs of width intermediate_size = {fd})"))
+    if c.family == "deepseek_v3":  # shared experts, dense first layers and group-limited routing map (MAPPED)
         if c.get("moe_layer_freq", 1) != 1:
             out.append(Difference(field="moe_layer_freq", value=c.get("moe_layer_freq"), structural=True,
                                   reason="the template puts the MoE FFN in every layer"))
@@ -134,11 +124,11 @@ def _mlp(c: _Ctx) -> list[Difference]:
             out.append(Difference(field="num_nextn_predict_layers", value=c.get("num_nextn_predict_layers"),
                                   structural=True, reason="the template has no multi-token-prediction modules"))
         for key, ok in (("scoring_func", "softmax"), ("topk_method", "greedy"), ("routed_scaling_factor", 1.0),
-                        ("n_group", 1), ("topk_group", 1), ("norm_topk_prob", True)):
+                        ("norm_topk_prob", True)):
             if key in c.raw and c.get(key) != ok:
                 out.append(Difference(field=key, value=c.get(key), structural=False,
-                                      reason="the template's router is softmax top-k over all experts, "
-                                             "renormalised over the k choices (model/moe.py)"))
+                                      reason="the template's router is softmax top-k (group-limited by "
+                                             "route_groups), renormalised over the k choices (model/moe.py)"))
     if c.get("router_jitter_noise"):
         out.append(Difference(field="router_jitter_noise", value=c.get("router_jitter_noise"), structural=False,
                               reason="the template's router adds no noise"))

@@ -89,13 +89,15 @@ def _mapping(raw: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str], dict[
         raise ConfigError([Problem(fields=[f"config.json:{k}" for k in missing], message="required field(s) absent",
                                    fix="pass the model's complete config.json")])
     fields = [k for k in MAPPED if raw.get(k) is not None]
-    if family == "deepseek_v3":  # d_ff is the expert width; intermediate_size is the dense layers' (refused)
-        fields.remove("intermediate_size")
+    if family != "deepseek_v3":  # DeepSeek-V3's MoE keys only (a stray n_group elsewhere maps nothing)
+        fields = [k for k in fields if k not in ("n_shared_experts", "first_k_dense_replace", "n_group", "topk_group")]
     if family not in MOE_FIELDS:  # a dense family's stray MoE keys map nothing
         fields = [k for k in fields if MAPPED[k] not in ("model.num_experts", "model.top_k", "model.aux_loss_coef")]
     # every model field, so a re-import leaves nothing of the model it replaces (top_k of an old MoE, say)
     changes = {f"model.{k}": v for k, v in ModelConfig().model_dump().items()}
-    changes.update({MAPPED[k]: raw[k] for k in fields})
+    changes.update({MAPPED[k]: raw[k] for k in fields if k != "intermediate_size" or family != "deepseek_v3"})
+    if family == "deepseek_v3":  # d_ff is the expert width; intermediate_size the first_k_dense layers' width
+        changes["model.dense_d_ff"] = raw["intermediate_size"] if raw.get("first_k_dense_replace") else 0
     taken: dict[str, Any] = {}
     if raw.get("num_key_value_heads") is None:  # transformers: None means multi-head attention
         changes["model.n_kv_heads"] = taken["num_key_value_heads"] = raw["num_attention_heads"]
@@ -105,7 +107,10 @@ def _mapping(raw: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str], dict[
         changes["model.capacity_factor"] = 0.0  # dropless, as Mixtral and DeepSeek-V3 route
     else:
         changes["model.num_experts"] = 0
-    return changes, {k: MAPPED[k] for k in fields}, taken
+    keys = {k: MAPPED[k] for k in fields}
+    if family == "deepseek_v3":
+        keys["intermediate_size"] = "model.dense_d_ff"
+    return changes, keys, taken
 
 
 def import_hf_config(path_or_json: str, name: str, *, accept: list[str] | None = None, seq_len: int | None = None,
