@@ -33,7 +33,10 @@ from curry_train.train.optim import optimizer_step
 
 
 def init_distributed(cfg: Config) -> torch.device:
-    """Join the process group torchrun (or a test launcher) set up; gloo on CPU, nccl on CUDA."""
+    """Join the process group torchrun (or a test launcher) set up: gloo on CPU, nccl on CUDA, with
+    `comm.init_timeout_s` until the first step lowers it to `comm.train_timeout_s` (train/comm_init.py)."""
+    from curry_train.train.comm_init import init_process_group
+
     dev = device_type(cfg)
     if dev == "cuda":
         local = int(os.environ.get("LOCAL_RANK", "0"))
@@ -43,7 +46,7 @@ def init_distributed(cfg: Config) -> torch.device:
         torch.set_num_threads(1)  # N ranks share the cores; torchrun sets OMP_NUM_THREADS=1 too
         device = torch.device("cpu")
     if not dist.is_initialized() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        dist.init_process_group("nccl" if dev == "cuda" else "gloo")
+        init_process_group(cfg, device)
     return device
 
 
@@ -148,6 +151,7 @@ def run_training(cfg: Config, *, log=None, checkpoint_dir: str | None = None, sa
     save after every save_every-th optimizer step (train/checkpoint.py, atomic, never overwriting).
     """
     from curry_train.train import checkpoint
+    from curry_train.train.comm_init import set_train_timeout
 
     device = init_distributed(cfg)
     par = setup(cfg, device)
@@ -155,6 +159,8 @@ def run_training(cfg: Config, *, log=None, checkpoint_dir: str | None = None, sa
     history = []
     for step in range(start, cfg.train.steps):
         r = train_step(par, step)
+        if step == start:  # the first step built and warmed everything up: now bound each collective tightly
+            set_train_timeout(cfg, par.mesh)
         history.append(r)
         if log is not None and rank() == 0:
             log({"step": step, "loss": round(r.loss, 6), "step_time_s": round(r.step_time_s, 5),
