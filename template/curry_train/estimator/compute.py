@@ -43,13 +43,23 @@ SUSTAINED_CLOCK = 0.75
 BACKWARD_BYTES = 2.0  # an element-wise backward reads the saved input and the output gradient, writes one gradient
 
 
-def gemm_efficiency(m: float, k: float, n: float, peak: float, mem_bw: float, ceiling: float, nbytes: int) -> float:
-    """Fraction of `peak` an [m, k] x [k, n] GEMM reaches: the ceiling, lowered by its operand traffic (see top)."""
+def gemm_efficiency(m: float, k: float, n: float, peak: float, mem_bw: float, ceiling: float, nbytes: int,
+                    clock: float = SUSTAINED_CLOCK) -> float:
+    """Fraction of `peak` an [m, k] x [k, n] GEMM reaches: the ceiling, lowered by its operand traffic (see top).
+    `clock` = 1 for a short benchmark (MAMF's own, or `probe --measure`), which runs before the clock settles."""
     flops = 2.0 * m * k * n
     if flops <= 0:
         return ceiling
-    t = flops / (ceiling * SUSTAINED_CLOCK * peak) + nbytes * (m * k + k * n + m * n) / mem_bw
+    t = flops / (ceiling * clock * peak) + nbytes * (m * k + k * n + m * n) / mem_bw
     return flops / (t * peak)
+
+
+def probe_gemm_tflops(hw: HardwareProfile, n: int, dtype: str) -> float:
+    """TFLOP/s the profile predicts for the probe's benchmark (measure/hardware.py: a short burst of n x n x n
+    GEMMs in `dtype`): what a measured figure is compared with to scale the profile (profiles.from_probe)."""
+    peak = hw.peak_flops(dtype)
+    nbytes = 2 if dtype == "bfloat16" else 4
+    return peak * gemm_efficiency(n, n, n, peak, hw.mem_bw_gbps * 1e9, hw.efficiency, nbytes, clock=1.0) / 1e12
 
 
 def _linears(layout: Layout) -> list[tuple[float, float, float]]:

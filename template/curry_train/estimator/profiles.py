@@ -326,6 +326,31 @@ def from_device_name(device_name: str) -> HardwareProfile | None:
     return PROFILES["A10"] if "a10" in low else None
 
 
+# The probe's GEMM when a report does not say (measure/hardware.py times 8192^3 in bf16 on a GPU).
+PROBE_GEMM_N = 8192
+
+
+def probe_scale(hw: HardwareProfile, measured: dict[str, Any]) -> float | None:
+    """Measured / predicted throughput of the probe's own GEMM (the slowest local rank's), or None without a
+    datasheet peak for its dtype.
+
+    The profile's `efficiency` is a MAMF ceiling, the best shape over a sweep, which estimator/compute.py then
+    lowers by each GEMM's shape and the sustained clock. A probe times one square GEMM in a short burst, so it is
+    compared with what the same model predicts for that GEMM (compute.probe_gemm_tflops: the ceiling, its operand
+    traffic, no clock derating) and scales the ceilings by the ratio: a GPU that matches its datasheet changes
+    nothing; one 20% slower (power cap, lower clocks, a PCIe part named like the SXM one) is 20% slower for every
+    GEMM and attention kernel of the model. Replacing the ceiling by that GEMM's fraction of peak counted its
+    shape losses twice and discarded the datasheet row (docs/ESTIMATION.md, "GPU profiles")."""
+    from curry_train.estimator.compute import probe_gemm_tflops
+
+    dtype = measured.get("matmul_dtype", "bfloat16")
+    dtype = "bfloat16" if dtype == "bfloat16" else "float32"
+    if hw.peak_flops(dtype) <= 0:
+        return None
+    predicted = probe_gemm_tflops(hw, int(measured.get("matmul_size") or PROBE_GEMM_N), dtype)
+    return min(measured["matmul_tflops"]) / predicted if predicted > 0 else None
+
+
 def from_probe(base: HardwareProfile, probe: dict[str, Any] | None) -> HardwareProfile:
     """Override `base` with what a probe measured. Accepts a HardwareReport dict (gpus, measured.matmul_tflops,
     measured.allreduce_busbw_gbps) or flat keys named like HardwareProfile's fields."""
@@ -341,12 +366,10 @@ def from_probe(base: HardwareProfile, probe: dict[str, Any] | None) -> HardwareP
             data["memory_gib"] = gpus[0]["memory_bytes"] / 2**30
     measured = probe.get("measured") or {}
     if measured.get("matmul_tflops"):
-        tflops = min(measured["matmul_tflops"])
-        # A probe measures achieved GEMM throughput: keep the datasheet peak for MFU and fold the measurement
-        # into the efficiency (capped at 0.9: a large square GEMM is the best case the model's GEMMs reach).
-        key = "peak_tflops_bf16" if measured.get("matmul_dtype", "bfloat16") == "bfloat16" else "peak_tflops_fp32"
-        if data[key] > 0:
-            data["efficiency"] = min(0.9, tflops / data[key])
+        scale = probe_scale(HardwareProfile(**data), measured)
+        if scale is not None:
+            data["efficiency"] = min(1.0, data["efficiency"] * scale)
+            data["attention_efficiency"] = min(1.0, data["attention_efficiency"] * scale)
         data["source"] = "probe"
     if measured.get("allreduce_busbw_gbps"):
         data["intra_node_gbps"] = float(measured["allreduce_busbw_gbps"])
