@@ -144,11 +144,12 @@ def train_step(par: Parallelized, step: int, *,
 
 
 def run_training(cfg: Config, *, log=None, checkpoint_dir: str | None = None, save_every: int = 0,
-                 resume: str | None = None) -> dict[str, Any]:
+                 resume: str | None = None, keep_last: int = 0) -> dict[str, Any]:
     """Train steps [start, cfg.train.steps) in this process group; returns losses and timings (same on all ranks).
 
     `resume`: a checkpoint (any layout) to continue from, start = its step; `checkpoint_dir` + `save_every`:
-    save after every save_every-th optimizer step (train/checkpoint.py, atomic, never overwriting).
+    save after every save_every-th optimizer step (train/checkpoint.py: asynchronous, atomic, never
+    overwriting; the oldest step folders beyond `keep_last` are deleted once a newer one is whole, 0 keeps all).
     """
     from curry_train.train import checkpoint
     from curry_train.train.comm_init import set_train_timeout
@@ -166,7 +167,8 @@ def run_training(cfg: Config, *, log=None, checkpoint_dir: str | None = None, sa
             log({"step": step, "loss": round(r.loss, 6), "step_time_s": round(r.step_time_s, 5),
                  "tokens_per_s": round(r.tokens_per_s, 1)})
         if checkpoint_dir and save_every and (step + 1) % save_every == 0:
-            checkpoint.save(par, checkpoint_dir, step + 1)
+            checkpoint.save_async(par, checkpoint_dir, step + 1, keep_last=keep_last)  # written while training
+    checkpoint.finish()
     return {
         "start_step": start,
         "losses": [r.loss for r in history],
@@ -184,6 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--checkpoint-dir", default=None, help="save checkpoints (step-NNNNNN folders) here")
     ap.add_argument("--save-every", type=int, default=0, help="save after every N optimizer steps")
     ap.add_argument("--resume", default=None, help="continue from this checkpoint (any layout)")
+    ap.add_argument("--keep-last", type=int, default=0, help="keep only the newest N step folders (0: all)")
     a = ap.parse_args(argv)
     try:
         cfg = load_config(a.config, parse_sets(a.set))
@@ -191,7 +194,8 @@ def main(argv: list[str] | None = None) -> int:
         print(e, file=sys.stderr)
         return 2
     out = run_training(cfg, log=lambda rec: print(json.dumps(rec), file=sys.stderr, flush=True),
-                       checkpoint_dir=a.checkpoint_dir, save_every=a.save_every, resume=a.resume)
+                       checkpoint_dir=a.checkpoint_dir, save_every=a.save_every, resume=a.resume,
+                       keep_last=a.keep_last)
     is_rank0 = rank() == 0
     if dist.is_initialized():
         import gc
