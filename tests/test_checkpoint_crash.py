@@ -61,3 +61,15 @@ def test_a_rank_killed_mid_save_leaves_the_previous_checkpoint_whole(tmp_path):
     out = run_training(_cfg(4), resume=str(ck), checkpoint_dir=str(ck), save_every=2, keep_last=1)
     assert out["start_step"] == 2 and out["losses"] == pytest.approx(ref[2:], rel=1e-5)
     assert sorted(p.name for p in ck.iterdir()) == ["step-000004"]  # the stale .tmp went with the new save
+
+
+def test_keep_last_is_checked_before_anything_launches(project):
+    from curry_train.config import ConfigError
+    from curry_train.measure.service import train
+
+    with pytest.raises(ConfigError, match="--keep-last needs --checkpoint-dir"):
+        train("tiny", root=project, keep_last=2)
+    with pytest.raises(ConfigError, match="--keep-last") as e:
+        train("tiny", root=project, checkpoint_dir=str(project / "ck"), save_every=1, keep_last=-1)
+    assert "keep all" in str(e.value)
+    assert not list((project / "runs").glob("*/spec.json"))  # nothing was launched
