@@ -23,10 +23,13 @@ Replicate). DCP then stores every expert at its global offset, under the same ke
 layout reads back the rows it holds (DTensor nests two Shard(0)s left to right, as FSDP nests inside the EP
 slice). The mesh is built without process groups (`_init_backend=False`): DCP needs only this rank's coordinate.
 
-Atomic save: every rank writes into DIR/.step-NNNNNN.tmp, rank 0 adds curry_meta.json (with every file's size)
-and renames the folder to step-NNNNNN only after all ranks finished; an existing step folder is never replaced.
-A failing save leaves at most a stale .tmp folder (removed by the next save of that step), never a damaged
-checkpoint. `find_checkpoint` checks a resume target before anything launches: missing or empty folder, a newer
+Asynchronous, atomic save (docs/ARCHITECTURE.md#cluster-robustness): `save_async` stages a copy of this rank's
+state (pinned host buffers on CUDA) and returns; a thread writes it with dcp.async_save (its own gloo group,
+WRITER_THREADS file writers) into DIR/.step-NNNNNN.tmp; once every rank has written, rank 0 adds curry_meta.json
+(with every file's size), renames the folder to step-NNNNNN and only then prunes step folders beyond keep_last.
+An existing step folder is never replaced. A failing or killed save leaves at most a stale .tmp folder (removed
+by the next save of that step), never a damaged checkpoint, and the previous one untouched.
+`find_checkpoint` checks a resume target before anything launches: missing or empty folder, a newer
 format version, another model shape, a missing or truncated shard are ConfigErrors naming the fix.
 """
 
