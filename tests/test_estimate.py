@@ -20,8 +20,8 @@ from curry_train.estimator import (
     model_states,
     param_count,
 )
-from curry_train.estimator.compute import probe_gemm_tflops
-from curry_train.estimator.profiles import PROFILES, from_probe
+from curry_train.estimator.compute import from_probe, probe_gemm_tflops
+from curry_train.estimator.profiles import PROFILES
 
 
 def test_llama3_8b_at_dp8_zero3_holds_two_bytes_of_model_state_per_parameter():

@@ -8,8 +8,8 @@ gpu_memory_gib) into a profile and a sentence saying which profile it used and w
 
 Numbers are vendor datasheet peaks (dense, no sparsity; each row's source in estimator/datasheets.py); every
 spelling of a name goes through the one resolver, `get_profile` (docs/ESTIMATION.md, "GPU profiles"); a probe
-result (`curry-train probe --measure --json`, curry_train.measure.hardware.HardwareReport) overrides them through
-`from_probe`.
+result (`curry-train probe --measure --json`, curry_train.measure.hardware.HardwareReport) scales them through
+`compute.from_probe`.
   memory_gib        the device's total memory as nvidia-smi / rocm-smi reports it, in GiB (not marketing GB).
   intra_node_gbps   NCCL bus bandwidth of an all-reduce inside a node (NVIDIA/nccl-tests doc/PERFORMANCE.md
                     defines busbw); about 75-80% of the per-direction NVLink bandwidth on DGX/HGX systems.
@@ -324,58 +324,3 @@ def from_device_name(device_name: str) -> HardwareProfile | None:
     if "v100" in low:
         return PROFILES["V100-32" if "32" in low.replace("v100", "") else "V100-16"]
     return PROFILES["A10"] if "a10" in low else None
-
-
-# The probe's GEMM when a report does not say (measure/hardware.py times 8192^3 in bf16 on a GPU).
-PROBE_GEMM_N = 8192
-
-
-def probe_scale(hw: HardwareProfile, measured: dict[str, Any]) -> float | None:
-    """Measured / predicted throughput of the probe's own GEMM (the slowest local rank's), or None without a
-    datasheet peak for its dtype.
-
-    The profile's `efficiency` is a MAMF ceiling, the best shape over a sweep, which estimator/compute.py then
-    lowers by each GEMM's shape and the sustained clock. A probe times one square GEMM in a short burst, so it is
-    compared with what the same model predicts for that GEMM (compute.probe_gemm_tflops: the ceiling, its operand
-    traffic, no clock derating) and scales the ceilings by the ratio: a GPU that matches its datasheet changes
-    nothing; one 20% slower (power cap, lower clocks, a PCIe part named like the SXM one) is 20% slower for every
-    GEMM and attention kernel of the model. Replacing the ceiling by that GEMM's fraction of peak counted its
-    shape losses twice and discarded the datasheet row (docs/ESTIMATION.md, "GPU profiles")."""
-    from curry_train.estimator.compute import probe_gemm_tflops
-
-    dtype = measured.get("matmul_dtype", "bfloat16")
-    dtype = "bfloat16" if dtype == "bfloat16" else "float32"
-    if hw.peak_flops(dtype) <= 0:
-        return None
-    predicted = probe_gemm_tflops(hw, int(measured.get("matmul_size") or PROBE_GEMM_N), dtype)
-    return min(measured["matmul_tflops"]) / predicted if predicted > 0 else None
-
-
-def from_probe(base: HardwareProfile, probe: dict[str, Any] | None) -> HardwareProfile:
-    """Override `base` with what a probe measured. Accepts a HardwareReport dict (gpus, measured.matmul_tflops,
-    measured.allreduce_busbw_gbps) or flat keys named like HardwareProfile's fields."""
-    if not probe:
-        return base
-    data = base.model_dump()
-    gpus = probe.get("gpus") or []
-    if gpus and isinstance(gpus[0], dict):
-        named = from_device_name(str(gpus[0].get("name", "")))
-        if named is not None:
-            data.update(named.model_dump())
-        if gpus[0].get("memory_bytes"):
-            data["memory_gib"] = gpus[0]["memory_bytes"] / 2**30
-    measured = probe.get("measured") or {}
-    if measured.get("matmul_tflops"):
-        scale = probe_scale(HardwareProfile(**data), measured)
-        if scale is not None:
-            data["efficiency"] = min(1.0, data["efficiency"] * scale)
-            data["attention_efficiency"] = min(1.0, data["attention_efficiency"] * scale)
-        data["source"] = "probe"
-    if measured.get("allreduce_busbw_gbps"):
-        data["intra_node_gbps"] = float(measured["allreduce_busbw_gbps"])
-        data["source"] = "probe"
-    for key in HardwareProfile.model_fields:
-        if key in probe and key != "name":
-            data[key] = probe[key]
-            data["source"] = "probe"
-    return HardwareProfile(**data)
