@@ -68,13 +68,16 @@ def test_a_failing_save_never_touches_an_earlier_checkpoint(tmp_path, monkeypatc
     with pytest.raises(FileExistsError):
         checkpoint.save(par, tmp_path, 2)  # never overwritten
 
-    def broken(*a, **k):
+    real = dcp.FileSystemWriter.write_data
+
+    def broken(self, plan, planner):  # the writer thread fails after part of the files reached the disk
+        real(self, plan, planner).wait()
         raise OSError("disk full")
 
-    monkeypatch.setattr(dcp, "save", broken)
-    with pytest.raises(OSError):
-        checkpoint.save(par, tmp_path, 4)
-    assert not (tmp_path / "step-000004").exists()
+    monkeypatch.setattr(dcp.FileSystemWriter, "write_data", broken)
+    with pytest.raises(Exception, match="disk full"):
+        checkpoint.save(par, tmp_path, 4, keep_last=1)  # keep_last: the earlier one is pruned only after success
+    assert not (tmp_path / "step-000004").exists() and list(tmp_path.glob(".step-000004.tmp/*.distcp"))
     assert {p.name: p.read_bytes() for p in first.iterdir()} == before
     assert checkpoint.find_checkpoint(tmp_path)[0] == first  # the latest complete one
 

@@ -20,7 +20,8 @@ from curry_train.estimator import (
     model_states,
     param_count,
 )
-from curry_train.estimator.profiles import PROFILES, from_probe
+from curry_train.estimator.compute import from_probe, probe_gemm_tflops
+from curry_train.estimator.profiles import PROFILES
 
 
 def test_llama3_8b_at_dp8_zero3_holds_two_bytes_of_model_state_per_parameter():
@@ -138,9 +139,37 @@ def test_a_probe_overrides_the_profile():
                             "measured": {"matmul_tflops": [600.0], "matmul_dtype": "bfloat16",
                                          "allreduce_busbw_gbps": 300.0}})
     assert got.name == "H200" and got.intra_node_gbps == 300.0 and got.source == "probe"
-    assert got.efficiency == pytest.approx(600 / 989, rel=1e-3)
+    # 600 TFLOP/s against the 748.8 the H200 row predicts for the probe's 8192^3 burst scales its MAMF ceiling
+    h200 = PROFILES["H200"]
+    assert got.efficiency == pytest.approx(h200.efficiency * 600 / probe_gemm_tflops(h200, 8192, "bfloat16"))
     e = estimate(load_any("llama3-8b"), probe={"efficiency": 0.3})
     assert e.hardware.efficiency == 0.3
+
+
+def _probed(tflops: float, n: int = 8192) -> dict:
+    """A probe report as measure/hardware.py writes it, with a made-up GEMM figure (no timing involved)."""
+    return {"gpus": [{"name": "NVIDIA H100 80GB HBM3", "memory_bytes": 85520809984}],
+            "measured": {"matmul_tflops": [tflops, tflops * 1.1], "matmul_dtype": "bfloat16", "matmul_size": n}}
+
+
+def test_a_probe_scales_the_datasheet_by_measured_over_predicted_gemm_throughput():
+    h100, cfg = PROFILES["H100"], load_any("llama3-8b")
+    predicted = probe_gemm_tflops(h100, 8192, "bfloat16")  # the H100 row's own figure for the probe's GEMM
+    # the ceiling, lowered by the square GEMM's traffic: the fraction the old replacement took (docs/ESTIMATION.md)
+    assert predicted / h100.peak_tflops_bf16 == pytest.approx(0.739, abs=5e-4) and 0.739 < h100.efficiency
+    same = from_probe(h100, _probed(predicted))  # a GPU exactly as its datasheet: nothing changes
+    assert same.efficiency == pytest.approx(h100.efficiency) and same.source == "probe"
+    assert same.attention_efficiency == pytest.approx(h100.attention_efficiency)
+    ref = estimate(cfg, hardware="H100").step_time
+    assert estimate(cfg, hardware="H100", probe=_probed(predicted)).step_time.compute_s == pytest.approx(ref.compute_s)
+    slow = from_probe(h100, _probed(0.8 * predicted))  # the slowest rank is 20% short: every kernel is
+    assert slow.efficiency == pytest.approx(0.8 * h100.efficiency)
+    assert slow.attention_efficiency == pytest.approx(0.8 * h100.attention_efficiency)
+    got = estimate(cfg, hardware="H100", probe=_probed(0.8 * predicted)).step_time
+    assert ref.compute_s < got.compute_s < ref.compute_s / 0.8 + 1e-9  # element-wise passes are memory-bound
+    # A smaller probe GEMM is compared with the model's figure for that size, not with the large one's
+    small = from_probe(h100, _probed(probe_gemm_tflops(h100, 1024, "bfloat16"), n=1024))
+    assert small.efficiency == pytest.approx(h100.efficiency)
 
 
 def test_every_preset_validates_and_estimates():  # its speed: benchmarks/planner_speed.py

@@ -2,7 +2,7 @@
 
     python -m curry_train.config configs/tiny.yaml --set parallel.dp=2     # validate and print the resolved config
 
-A config is five sections (model, train, parallel, hardware, data) of pydantic models. Unknown keys are errors, and
+A config is six sections (model, train, parallel, hardware, data, comm) of pydantic models. Unknown keys are errors, and
 `validate_config` checks every cross-field rule (divisibility, world size, micro-batches) *before* any process
 starts; each problem names the field(s), the values and the fix. Precedence: dotted overrides > file > defaults.
 """
@@ -114,12 +114,24 @@ class HardwareConfig(_Section):
     gpu_memory_gib: float = Field(80.0, gt=0.0, description="Per-device memory budget a run is held to (GiB).")
 
 
+class CommConfig(_Section):
+    """Collective timeouts (torchtitan's comm.init_timeout_seconds / comm.train_timeout_seconds; Wang et al. 2024,
+    "TorchTitan", §3.4): generous while the first step builds and warms up, tight once steps are regular, so a
+    hung rank fails the job in a bounded time (docs/ARCHITECTURE.md#cluster-robustness)."""
+
+    init_timeout_s: float = Field(300.0, gt=0.0, description="Collective timeout (s) from process-group init "
+                                  "through the first optimizer step.")
+    train_timeout_s: float = Field(100.0, gt=0.0, description="Collective timeout (s) set on every group after "
+                                   "the first optimizer step.")
+
+
 class Config(_Section):
     model: ModelConfig = Field(default_factory=ModelConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     hardware: HardwareConfig = Field(default_factory=HardwareConfig)
     data: DataConfig = Field(default_factory=DataConfig)
+    comm: CommConfig = Field(default_factory=CommConfig)
 
     @property
     def world_size(self) -> int:

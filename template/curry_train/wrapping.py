@@ -55,3 +55,25 @@ def precision_path(dtype: str, dp: int, cp: int, zero: int, tp: int) -> Precisio
     if dtype == "float32":
         return "fp32"
     return "mp" if data_parallel_wrapper(dp, cp, zero, tp) == "fsdp" else "autocast"
+
+
+# ------------------------------------------------------------------------------ rows a rank draws by itself
+# The host RNG (model/gpt.py init_tensor: torch.randn on a CPU generator) fills a float32 tensor of >= 16
+# elements in blocks of 16 consecutive uniform draws (Box-Muller on each block), and redraws the last 16 when the
+# size is not a multiple of 16. So elements [a, b) of a tensor of n elements come out bit-identical from a fresh
+# generator that first consumes a uniform draws, whenever n, a and b are multiples of 16: a rank can draw just
+# the rows it keeps (parallel/materialize.py), and the estimator (estimator/init.py) asks the same question.
+RNG_BLOCK = 16
+
+
+def rows_drawn_exactly(rows: int, row_numel: int, lo: int, hi: int) -> bool:
+    """Whether rows [lo, hi) of a [rows, ...] float32 initial value (row_numel elements a row) can be drawn alone,
+    bit-identical to the same rows of the full draw."""
+    n, a, b = rows * row_numel, lo * row_numel, hi * row_numel
+    return n % RNG_BLOCK == 0 and a % RNG_BLOCK == 0 and b % RNG_BLOCK == 0 and n > 0
+
+
+def chunk_rows(rows: int, parts: int, index: int) -> tuple[int, int]:
+    """Rows [lo, hi) chunk `index` of `parts` holds under a dim-0 split (torch.chunk, DTensor Shard(0), FSDP2)."""
+    size = -(-rows // parts)
+    return min(index * size, rows), min((index + 1) * size, rows)

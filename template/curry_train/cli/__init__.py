@@ -58,7 +58,8 @@ def _cmd_train(a: argparse.Namespace) -> int:
 
     warn_layout("train", a.config, parse_sets(a.set), a.root)
     rec = service.train(a.config, parse_sets(a.set), root=a.root, timeout=a.timeout, progress=say,
-                        checkpoint_dir=a.checkpoint_dir, save_every=a.save_every, resume=a.resume)
+                        checkpoint_dir=a.checkpoint_dir, save_every=a.save_every, resume=a.resume,
+                        keep_last=a.keep_last)
     m = rec.metrics
     emit(rec, a.json, lambda r: (f"run {r.run_id}: {r.config['parallel']} world={m['world_size']}\n"
                                  f"loss {m['first_loss']:.4f} -> {m['last_loss']:.4f} over {len(m['losses'])} steps; "
@@ -157,6 +158,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=seconds, default=1800.0, help="seconds before every rank is killed")
     p.add_argument("--checkpoint-dir", default=None, help="save checkpoints here (step-NNNNNN folders, DCP)")
     p.add_argument("--save-every", type=nonneg_int, default=0, help="save after every N optimizer steps (0: never)")
+    p.add_argument("--keep-last", type=nonneg_int, default=0, help="keep only the newest N step folders, the older "
+                   "deleted once a newer one is whole (0: keep all)")
     p.add_argument("--resume", default=None, help="continue from this checkpoint (folder or step-NNNNNN); the "
                    "layout may differ from the one that saved it")
     p.set_defaults(fn=_cmd_train)

@@ -25,6 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--checkpoint-dir", default=None)
     ap.add_argument("--save-every", type=int, default=0)
     ap.add_argument("--resume", default=None)
+    ap.add_argument("--keep-last", type=int, default=0)
     a = ap.parse_args(argv)
 
     from curry_train.config import ConfigError, parse_sets
@@ -34,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         cfg, name = resolve(a.config, parse_sets(a.set), a.root)
-        ckpt = _checkpoint_args(cfg, a.checkpoint_dir, a.save_every, a.resume)
+        ckpt = _checkpoint_args(cfg, a.checkpoint_dir, a.save_every, a.resume, a.keep_last)
     except (ConfigError, FileNotFoundError) as e:
         print(e, file=sys.stderr)
         return 2

@@ -83,6 +83,7 @@ from pydantic import BaseModel, Field
 from curry_train.breakdown import CATEGORIES, Breakdown
 from curry_train.config import Config, from_dict, load_yaml
 from curry_train.estimator.comm import CP_RING_KERNEL, CommItem, StepTime, _step_time, ring_attention_dtype
+from curry_train.estimator.compute import from_probe
 from curry_train.estimator.init import init_peak
 from curry_train.estimator.layout import (
     GiB,
@@ -105,7 +106,6 @@ from curry_train.estimator.profiles import (
     bf16_note,
     check_cluster,
     from_device_name,
-    from_probe,
     get_profile,
     guess_profile,
     resolve_gpu,

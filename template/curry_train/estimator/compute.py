@@ -27,9 +27,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Any
 
 from curry_train.estimator.layout import Layout
-from curry_train.estimator.profiles import HardwareProfile
+from curry_train.estimator.profiles import HardwareProfile, from_device_name
 
 # A fused attention kernel at s_blk keys per block runs at s_blk / (s_blk + 512) of its plateau (FlashAttention-2,
 # Dao 2023, Fig. 4, A100 causal fwd+bwd head dim 128: about half the long-sequence throughput at 512, ~90% at 4k)
@@ -43,13 +44,23 @@ SUSTAINED_CLOCK = 0.75
 BACKWARD_BYTES = 2.0  # an element-wise backward reads the saved input and the output gradient, writes one gradient
 
 
-def gemm_efficiency(m: float, k: float, n: float, peak: float, mem_bw: float, ceiling: float, nbytes: int) -> float:
-    """Fraction of `peak` an [m, k] x [k, n] GEMM reaches: the ceiling, lowered by its operand traffic (see top)."""
+def gemm_efficiency(m: float, k: float, n: float, peak: float, mem_bw: float, ceiling: float, nbytes: int,
+                    clock: float = SUSTAINED_CLOCK) -> float:
+    """Fraction of `peak` an [m, k] x [k, n] GEMM reaches: the ceiling, lowered by its operand traffic (see top).
+    `clock` = 1 for a short benchmark (MAMF's own, or `probe --measure`), which runs before the clock settles."""
     flops = 2.0 * m * k * n
     if flops <= 0:
         return ceiling
-    t = flops / (ceiling * SUSTAINED_CLOCK * peak) + nbytes * (m * k + k * n + m * n) / mem_bw
+    t = flops / (ceiling * clock * peak) + nbytes * (m * k + k * n + m * n) / mem_bw
     return flops / (t * peak)
+
+
+def probe_gemm_tflops(hw: HardwareProfile, n: int, dtype: str) -> float:
+    """TFLOP/s the profile predicts for the probe's benchmark (measure/hardware.py: a short burst of n x n x n
+    GEMMs in `dtype`): what a measured figure is compared with to scale the profile (from_probe below)."""
+    peak = hw.peak_flops(dtype)
+    nbytes = 2 if dtype == "bfloat16" else 4
+    return peak * gemm_efficiency(n, n, n, peak, hw.mem_bw_gbps * 1e9, hw.efficiency, nbytes, clock=1.0) / 1e12
 
 
 def _linears(layout: Layout) -> list[tuple[float, float, float, float]]:
@@ -226,3 +237,56 @@ class _Speed:
 
     def peak_flops(self, dtype: str) -> float:
         return (self.peak_tflops_bf16 if dtype == "bfloat16" else self.peak_tflops_fp32) * 1e12
+
+
+# The probe's GEMM when a report does not say (measure/hardware.py times 8192^3 in bf16 on a GPU).
+PROBE_GEMM_N = 8192
+
+
+def probe_scale(hw: HardwareProfile, measured: dict[str, Any]) -> float | None:
+    """Measured / predicted throughput of the probe's own GEMM (the slowest local rank's), or None without a
+    datasheet peak for its dtype.
+
+    The profile's `efficiency` is a MAMF ceiling, the best shape over a sweep, which estimator/compute.py then
+    lowers by each GEMM's shape and the sustained clock. A probe times one square GEMM in a short burst, so it is
+    compared with what the same model predicts for that GEMM (compute.probe_gemm_tflops: the ceiling, its operand
+    traffic, no clock derating) and scales the ceilings by the ratio: a GPU that matches its datasheet changes
+    nothing; one 20% slower (power cap, lower clocks, a PCIe part named like the SXM one) is 20% slower for every
+    GEMM and attention kernel of the model. Replacing the ceiling by that GEMM's fraction of peak counted its
+    shape losses twice and discarded the datasheet row (docs/ESTIMATION.md, "GPU profiles")."""
+    dtype = measured.get("matmul_dtype", "bfloat16")
+    dtype = "bfloat16" if dtype == "bfloat16" else "float32"
+    if hw.peak_flops(dtype) <= 0:
+        return None
+    predicted = probe_gemm_tflops(hw, int(measured.get("matmul_size") or PROBE_GEMM_N), dtype)
+    return min(measured["matmul_tflops"]) / predicted if predicted > 0 else None
+
+
+def from_probe(base: HardwareProfile, probe: dict[str, Any] | None) -> HardwareProfile:
+    """Override `base` with what a probe measured. Accepts a HardwareReport dict (gpus, measured.matmul_tflops,
+    measured.allreduce_busbw_gbps) or flat keys named like HardwareProfile's fields."""
+    if not probe:
+        return base
+    data = base.model_dump()
+    gpus = probe.get("gpus") or []
+    if gpus and isinstance(gpus[0], dict):
+        named = from_device_name(str(gpus[0].get("name", "")))
+        if named is not None:
+            data.update(named.model_dump())
+        if gpus[0].get("memory_bytes"):
+            data["memory_gib"] = gpus[0]["memory_bytes"] / 2**30
+    measured = probe.get("measured") or {}
+    if measured.get("matmul_tflops"):
+        scale = probe_scale(HardwareProfile(**data), measured)
+        if scale is not None:
+            data["efficiency"] = min(1.0, data["efficiency"] * scale)
+            data["attention_efficiency"] = min(1.0, data["attention_efficiency"] * scale)
+        data["source"] = "probe"
+    if measured.get("allreduce_busbw_gbps"):
+        data["intra_node_gbps"] = float(measured["allreduce_busbw_gbps"])
+        data["source"] = "probe"
+    for key in HardwareProfile.model_fields:
+        if key in probe and key != "name":
+            data[key] = probe[key]
+            data["source"] = "probe"
+    return HardwareProfile(**data)

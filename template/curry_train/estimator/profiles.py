@@ -8,8 +8,8 @@ gpu_memory_gib) into a profile and a sentence saying which profile it used and w
 
 Numbers are vendor datasheet peaks (dense, no sparsity; each row's source in estimator/datasheets.py); every
 spelling of a name goes through the one resolver, `get_profile` (docs/ESTIMATION.md, "GPU profiles"); a probe
-result (`curry-train probe --measure --json`, curry_train.measure.hardware.HardwareReport) overrides them through
-`from_probe`.
+result (`curry-train probe --measure --json`, curry_train.measure.hardware.HardwareReport) scales them through
+`compute.from_probe`.
   memory_gib        the device's total memory as nvidia-smi / rocm-smi reports it, in GiB (not marketing GB).
   intra_node_gbps   NCCL bus bandwidth of an all-reduce inside a node (NVIDIA/nccl-tests doc/PERFORMANCE.md
                     defines busbw); about 75-80% of the per-direction NVLink bandwidth on DGX/HGX systems.
@@ -324,35 +324,3 @@ def from_device_name(device_name: str) -> HardwareProfile | None:
     if "v100" in low:
         return PROFILES["V100-32" if "32" in low.replace("v100", "") else "V100-16"]
     return PROFILES["A10"] if "a10" in low else None
-
-
-def from_probe(base: HardwareProfile, probe: dict[str, Any] | None) -> HardwareProfile:
-    """Override `base` with what a probe measured. Accepts a HardwareReport dict (gpus, measured.matmul_tflops,
-    measured.allreduce_busbw_gbps) or flat keys named like HardwareProfile's fields."""
-    if not probe:
-        return base
-    data = base.model_dump()
-    gpus = probe.get("gpus") or []
-    if gpus and isinstance(gpus[0], dict):
-        named = from_device_name(str(gpus[0].get("name", "")))
-        if named is not None:
-            data.update(named.model_dump())
-        if gpus[0].get("memory_bytes"):
-            data["memory_gib"] = gpus[0]["memory_bytes"] / 2**30
-    measured = probe.get("measured") or {}
-    if measured.get("matmul_tflops"):
-        tflops = min(measured["matmul_tflops"])
-        # A probe measures achieved GEMM throughput: keep the datasheet peak for MFU and fold the measurement
-        # into the efficiency (capped at 0.9: a large square GEMM is the best case the model's GEMMs reach).
-        key = "peak_tflops_bf16" if measured.get("matmul_dtype", "bfloat16") == "bfloat16" else "peak_tflops_fp32"
-        if data[key] > 0:
-            data["efficiency"] = min(0.9, tflops / data[key])
-        data["source"] = "probe"
-    if measured.get("allreduce_busbw_gbps"):
-        data["intra_node_gbps"] = float(measured["allreduce_busbw_gbps"])
-        data["source"] = "probe"
-    for key in HardwareProfile.model_fields:
-        if key in probe and key != "name":
-            data[key] = probe[key]
-            data["source"] = "probe"
-    return HardwareProfile(**data)

@@ -35,7 +35,8 @@ def resolve(config: str, overrides: dict[str, Any] | None = None, root: str | Pa
     return cfg, path.stem
 
 
-def _checkpoint_args(cfg: Config, checkpoint_dir: str | None, save_every: int, resume: str | None) -> dict:
+def _checkpoint_args(cfg: Config, checkpoint_dir: str | None, save_every: int, resume: str | None,
+                     keep_last: int = 0) -> dict:
     """Absolute checkpoint paths for the ranks, checked before anything launches (train/checkpoint.py)."""
     from curry_train.config import ConfigError, Problem
 
@@ -46,9 +47,14 @@ def _checkpoint_args(cfg: Config, checkpoint_dir: str | None, save_every: int, r
         raise bad("--save-every", f"{save_every} is negative", "use N >= 1 (save after every N steps)")
     if save_every and not checkpoint_dir:
         raise bad("--save-every", "--save-every needs --checkpoint-dir", "add --checkpoint-dir DIR")
+    if keep_last < 0:
+        raise bad("--keep-last", f"{keep_last} is negative", "use N >= 1 (keep the newest N), or 0 to keep all")
+    if keep_last and not checkpoint_dir:
+        raise bad("--keep-last", "--keep-last needs --checkpoint-dir", "add --checkpoint-dir DIR")
     out: dict[str, Any] = {}
     if checkpoint_dir:
         out["checkpoint_dir"], out["save_every"] = str(Path(checkpoint_dir).expanduser().resolve()), save_every
+        out["keep_last"] = keep_last
     if resume:
         from curry_train.train.checkpoint import find_checkpoint
 
@@ -63,7 +69,7 @@ def _checkpoint_args(cfg: Config, checkpoint_dir: str | None, save_every: int, r
 def train(config: str, overrides: dict[str, Any] | None = None, *, root: str | Path | None = None,
           timeout: float = 1800.0, cancel: threading.Event | None = None,
           progress: Callable[[str], None] | None = None, checkpoint_dir: str | None = None,
-          save_every: int = 0, resume: str | None = None) -> RunRecord:
+          save_every: int = 0, resume: str | None = None, keep_last: int = 0) -> RunRecord:
     """Train cfg.train.steps steps on world_size ranks through torchrun (from a checkpoint's step with `resume`,
     saving every `save_every` steps into `checkpoint_dir`); returns the finished run record. `progress` gets a
     line at launch and step lines while it runs (train/progress.py)."""
@@ -72,7 +78,7 @@ def train(config: str, overrides: dict[str, Any] | None = None, *, root: str | P
 
     cfg, name = resolve(config, overrides, root)
     preflight(cfg, name)
-    ckpt = _checkpoint_args(cfg, checkpoint_dir, save_every, resume)
+    ckpt = _checkpoint_args(cfg, checkpoint_dir, save_every, resume, keep_last)
     ledger = Ledger(root)
     rec = ledger.start("train", cfg, name)
     run_path = Path(ledger.path.parent / rec.run_id)

@@ -215,8 +215,38 @@ def init_tensor(name: str, shape: tuple[int, ...] | torch.Size, m: ModelConfig, 
     std = _std(name, m)
     if std is None:
         return torch.ones(shape)
-    g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-    return torch.randn(shape, generator=g, dtype=torch.float32).mul_(std)
+    return torch.randn(shape, generator=_generator(name, seed), dtype=torch.float32).mul_(std)
+
+
+def drawn(name: str, m: ModelConfig) -> bool:
+    """Whether parameter `name` starts random (False: ones, the norm weights)."""
+    return _std(name, m) is not None
+
+
+def _generator(name: str, seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+
+
+def init_rows_into(out: torch.Tensor, name: str, shape: tuple[int, ...] | torch.Size, m: ModelConfig, seed: int,
+                   lo: int) -> torch.Tensor:
+    """Fill `out` (contiguous fp32 on the CPU: rows [lo, lo + len(out)) of the [d0, ...] parameter) with exactly
+    those rows of `init_tensor(name, shape, m, seed)`, drawing only them: the generator first consumes the
+    lo * row_numel earlier uniform draws through `out` itself, so no other buffer is allocated. Bit-identical
+    when curry_train.wrapping.rows_drawn_exactly holds for the rows (the RNG's 16-draw blocks)."""
+    std = _std(name, m)
+    if std is None:
+        return out.fill_(1.0)
+    flat = out.view(-1)  # [rows * row_numel]
+    k = flat.numel()
+    if k == 0:
+        return out
+    g, skip = _generator(name, seed), lo * (flat.numel() // out.shape[0])
+    while skip > 0:
+        step = min(skip, k)
+        flat[:step].uniform_(0.0, 1.0, generator=g)  # one draw per element, like randn's own uniform pass
+        skip -= step
+    flat.normal_(generator=g)
+    return out.mul_(std)
 
 
 @torch.no_grad()

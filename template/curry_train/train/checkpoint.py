@@ -23,10 +23,13 @@ Replicate). DCP then stores every expert at its global offset, under the same ke
 layout reads back the rows it holds (DTensor nests two Shard(0)s left to right, as FSDP nests inside the EP
 slice). The mesh is built without process groups (`_init_backend=False`): DCP needs only this rank's coordinate.
 
-Atomic save: every rank writes into DIR/.step-NNNNNN.tmp, rank 0 adds curry_meta.json (with every file's size)
-and renames the folder to step-NNNNNN only after all ranks finished; an existing step folder is never replaced.
-A failing save leaves at most a stale .tmp folder (removed by the next save of that step), never a damaged
-checkpoint. `find_checkpoint` checks a resume target before anything launches: missing or empty folder, a newer
+Asynchronous, atomic save (docs/ARCHITECTURE.md#cluster-robustness): `save_async` stages a copy of this rank's
+state (pinned host buffers on CUDA) and returns; a thread writes it with dcp.async_save (its own gloo group,
+WRITER_THREADS file writers) into DIR/.step-NNNNNN.tmp; once every rank has written, rank 0 adds curry_meta.json
+(with every file's size), renames the folder to step-NNNNNN and only then prunes step folders beyond keep_last.
+An existing step folder is never replaced. A failing or killed save leaves at most a stale .tmp folder (removed
+by the next save of that step), never a damaged checkpoint, and the previous one untouched.
+`find_checkpoint` checks a resume target before anything launches: missing or empty folder, a newer
 format version, another model shape, a missing or truncated shard are ConfigErrors naming the fix.
 """
 
@@ -36,6 +39,8 @@ import json
 import os
 import re
 import shutil
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -166,10 +171,86 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def save(par, ckpt_dir: str | Path, step: int) -> Path:
-    """Write step `step` (optimizer steps done) atomically to ckpt_dir/step-NNNNNN. Every rank must call it."""
-    import torch.distributed.checkpoint as dcp
+# IO threads per rank of the file writer (DCP's FileSystemWriter splits a rank's tensors over this many files).
+WRITER_THREADS = 4
+_groups: dict[int, Any] = {}  # id(default group) -> the gloo group the background saves talk over
+_pending: PendingSave | None = None  # at most one save in flight per process
+_stagers: dict[str, Any] = {}  # device type -> the pinned-memory stager reused by every save (CUDA only)
 
+
+@dataclass
+class PendingSave:
+    """A save in flight: `wait()` returns the step folder once it is whole (rank 0 renamed it), or raises what
+    failed (in the writer of any rank); the step folder then never appears."""
+
+    final: Path
+    done: Future
+
+    def wait(self) -> Path:
+        self.done.result()
+        return self.final
+
+
+def _ckpt_group():
+    """A gloo group of all ranks for the save thread's collectives (DCP's plan and finish), so they never
+    interleave with the training's collectives on the default group; async_save needs a CPU backend anyway
+    (torch.distributed.checkpoint.async_save: "A CPU backend must be enabled")."""
+    if not dist.is_initialized():
+        return None
+    key = id(dist.distributed_c10d._get_default_group())
+    if key not in _groups:
+        _groups[key] = dist.new_group(backend="gloo")
+    return _groups[key]
+
+
+def _stager(device: torch.device):
+    """On CUDA, staging copies the state into pinned host buffers kept across saves (fast device-to-host copies,
+    no allocation per save); on CPU async_save's own stager copies it into fresh host memory."""
+    if device.type != "cuda":
+        return None
+    if "cuda" not in _stagers:
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+        # synchronous staging: save_async returns once the copy is taken, so the next step may change the weights
+        _stagers["cuda"] = DefaultStager(StagingOptions(use_pinned_memory=True, use_shared_memory=False,
+                                                        use_async_staging=False, use_non_blocking_copy=False))
+    return _stagers["cuda"]
+
+
+def wait_pending() -> Path | None:
+    """Block until the save in flight (if any) is whole; re-raises its failure. Every rank calls it."""
+    global _pending
+    pending, _pending = _pending, None
+    return pending.wait() if pending is not None else None
+
+
+def finish() -> Path | None:
+    """End of training: the last save is whole on every rank's view of the filesystem (rank 0 renamed it)."""
+    last = wait_pending()
+    _barrier()
+    return last
+
+
+def save(par, ckpt_dir: str | Path, step: int, *, keep_last: int = 0) -> Path:
+    """Write step `step` (optimizer steps done) to ckpt_dir/step-NNNNNN and wait until it is whole on every rank
+    (see save_async). Every rank must call it."""
+    save_async(par, ckpt_dir, step, keep_last=keep_last)
+    return finish()
+
+
+def save_async(par, ckpt_dir: str | Path, step: int, *, keep_last: int = 0) -> PendingSave:
+    """Start saving step `step`: returns once this rank's state is staged (copied off the live tensors), while a
+    background thread writes it (dcp.async_save, WRITER_THREADS file writers per rank) into
+    ckpt_dir/.step-NNNNNN.tmp. When every rank has written, rank 0 adds curry_meta.json, renames the folder to
+    step-NNNNNN and only then deletes the oldest step folders beyond `keep_last` (0: keep all), so a crash at any
+    moment leaves the previous checkpoint loadable and no half checkpoint visible. A previous save still in
+    flight is waited for first. Every rank must call it."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+    global _pending
+    wait_pending()
     root = Path(ckpt_dir)
     final, tmp = root / f"step-{step:06d}", root / f".step-{step:06d}.tmp"
     if _rank() == 0:
@@ -179,16 +260,51 @@ def save(par, ckpt_dir: str | Path, step: int) -> Path:
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)  # a stale half-written save of this step
     _barrier()
-    dcp.save(state_dict(par), checkpoint_id=str(tmp))
-    _barrier()
-    if _rank() == 0:
-        files = {f.name: f.stat().st_size for f in sorted(tmp.iterdir()) if f.is_file()}
-        meta = {"format_version": FORMAT_VERSION, "step": step, "model": par.cfg.model.model_dump(mode="json"),
-                "parallel_saved": par.cfg.parallel.model_dump(mode="json"), "files": files}
-        (tmp / META).write_text(json.dumps(meta, indent=1), encoding="utf-8")
-        os.replace(tmp, final)  # atomic on one filesystem: the step folder appears complete or not at all
-    _barrier()
-    return final
+    meta = {"format_version": FORMAT_VERSION, "step": step, "model": par.cfg.model.model_dump(mode="json"),
+            "parallel_saved": par.cfg.parallel.model_dump(mode="json")}
+    upload = dcp.async_save(state_dict(par), storage_writer=dcp.FileSystemWriter(str(tmp),
+                            thread_count=WRITER_THREADS), process_group=_ckpt_group(),
+                            async_checkpointer_type=AsyncCheckpointerType.THREAD, async_stager=_stager(par.device),
+                            no_dist=not dist.is_initialized())
+    rank0 = _rank() == 0
+
+    def complete() -> Path:
+        try:
+            upload.result()  # DCP's finish ran on the coordinator after gathering every rank's write results
+        except (Exception, CheckpointException) as e:  # a BaseException naming only the ranks: say what failed
+            causes = getattr(e, "failures", None) or {_rank(): e}
+            why = "; ".join(f"rank {r}: {type(c).__name__}: {c}" for r, c in sorted(causes.items()))
+            raise RuntimeError(f"checkpoint {final.name} was not written ({why}); the earlier step folders are "
+                               f"untouched, {tmp.name} holds the partial files") from e
+        if rank0:
+            _publish(tmp, final, meta, keep_last)
+        return final
+
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="curry-ckpt")
+    done = pool.submit(complete)
+    pool.shutdown(wait=False)
+    _pending = PendingSave(final=final, done=done)
+    return _pending
+
+
+def _publish(tmp: Path, final: Path, meta: dict[str, Any], keep_last: int) -> None:
+    """Rank 0, every rank's files written: meta with each file's size, atomic rename, then prune older steps."""
+    files = {f.name: f.stat().st_size for f in sorted(tmp.iterdir()) if f.is_file()}
+    _write_atomic(tmp / META, json.dumps({**meta, "files": files}, indent=1))
+    os.replace(tmp, final)  # atomic on one filesystem: the step folder appears complete or not at all
+    if keep_last > 0:
+        steps = sorted((int(m[1]), d) for d in final.parent.iterdir() if (m := _STEP_DIR.match(d.name)))
+        for _, old in steps[:-keep_last]:
+            if old != final:  # renamed first: a half-deleted folder never looks like a checkpoint
+                doomed = old.with_name(f".{old.name}.deleting")
+                os.replace(old, doomed)
+                shutil.rmtree(doomed, ignore_errors=True)
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
 
 
 def load(par, path: str | Path) -> int:

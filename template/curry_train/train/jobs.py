@@ -47,7 +47,8 @@ def train_job(spec: dict[str, Any]) -> dict[str, Any]:
             print(json.dumps(rec), file=sys.stderr, flush=True)
 
     return run_training(from_dict(spec["config"]), log=log, checkpoint_dir=spec.get("checkpoint_dir"),
-                        save_every=int(spec.get("save_every") or 0), resume=spec.get("resume"))
+                        save_every=int(spec.get("save_every") or 0), resume=spec.get("resume"),
+                        keep_last=int(spec.get("keep_last") or 0))
 
 
 def selftest_job(spec: dict[str, Any]) -> dict[str, Any]:

@@ -204,11 +204,25 @@ def start_torchrun(spec: dict[str, Any], nproc: int, run_dir: Path, *, env: dict
         "--master-addr=127.0.0.1", f"--master-port={free_port()}", "--max-restarts=0",
         "-m", "curry_train.train.rank_main", str(spec_path),
     ]
-    child_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+    child_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **comm_env(spec, run_dir),
+                 **(env or {})}
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                 env=child_env, start_new_session=True)
     return Job(proc=proc, run_dir=run_dir, log_path=log_path, nproc=nproc)
+
+
+def comm_env(spec: dict[str, Any], run_dir: Path) -> dict[str, str]:
+    """torch's NCCL knobs for the ranks of a job whose config runs on CUDA (train/comm_init.py); {} on CPU or for
+    a job without a config (the launcher self-test)."""
+    if spec.get("config") is None:
+        return {}
+    from curry_train.config import from_dict
+    from curry_train.mesh import device_type
+    from curry_train.train.comm_init import rank_env
+
+    cfg = from_dict(spec["config"], validate=False)
+    return rank_env(cfg, device_type(cfg), run_dir)
 
 
 def run_torchrun(spec: dict[str, Any], nproc: int, run_dir: Path, *, timeout: float = 600.0,

@@ -33,7 +33,10 @@ from curry_train.train.optim import optimizer_step
 
 
 def init_distributed(cfg: Config) -> torch.device:
-    """Join the process group torchrun (or a test launcher) set up; gloo on CPU, nccl on CUDA."""
+    """Join the process group torchrun (or a test launcher) set up: gloo on CPU, nccl on CUDA, with
+    `comm.init_timeout_s` until the first step lowers it to `comm.train_timeout_s` (train/comm_init.py)."""
+    from curry_train.train.comm_init import init_process_group
+
     dev = device_type(cfg)
     if dev == "cuda":
         local = int(os.environ.get("LOCAL_RANK", "0"))
@@ -43,7 +46,7 @@ def init_distributed(cfg: Config) -> torch.device:
         torch.set_num_threads(1)  # N ranks share the cores; torchrun sets OMP_NUM_THREADS=1 too
         device = torch.device("cpu")
     if not dist.is_initialized() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        dist.init_process_group("nccl" if dev == "cuda" else "gloo")
+        init_process_group(cfg, device)
     return device
 
 
@@ -141,13 +144,15 @@ def train_step(par: Parallelized, step: int, *,
 
 
 def run_training(cfg: Config, *, log=None, checkpoint_dir: str | None = None, save_every: int = 0,
-                 resume: str | None = None) -> dict[str, Any]:
+                 resume: str | None = None, keep_last: int = 0) -> dict[str, Any]:
     """Train steps [start, cfg.train.steps) in this process group; returns losses and timings (same on all ranks).
 
     `resume`: a checkpoint (any layout) to continue from, start = its step; `checkpoint_dir` + `save_every`:
-    save after every save_every-th optimizer step (train/checkpoint.py, atomic, never overwriting).
+    save after every save_every-th optimizer step (train/checkpoint.py: asynchronous, atomic, never
+    overwriting; the oldest step folders beyond `keep_last` are deleted once a newer one is whole, 0 keeps all).
     """
     from curry_train.train import checkpoint
+    from curry_train.train.comm_init import set_train_timeout
 
     device = init_distributed(cfg)
     par = setup(cfg, device)
@@ -155,12 +160,15 @@ def run_training(cfg: Config, *, log=None, checkpoint_dir: str | None = None, sa
     history = []
     for step in range(start, cfg.train.steps):
         r = train_step(par, step)
+        if step == start:  # the first step built and warmed everything up: now bound each collective tightly
+            set_train_timeout(cfg, par.mesh)
         history.append(r)
         if log is not None and rank() == 0:
             log({"step": step, "loss": round(r.loss, 6), "step_time_s": round(r.step_time_s, 5),
                  "tokens_per_s": round(r.tokens_per_s, 1)})
         if checkpoint_dir and save_every and (step + 1) % save_every == 0:
-            checkpoint.save(par, checkpoint_dir, step + 1)
+            checkpoint.save_async(par, checkpoint_dir, step + 1, keep_last=keep_last)  # written while training
+    checkpoint.finish()
     return {
         "start_step": start,
         "losses": [r.loss for r in history],
@@ -178,6 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--checkpoint-dir", default=None, help="save checkpoints (step-NNNNNN folders) here")
     ap.add_argument("--save-every", type=int, default=0, help="save after every N optimizer steps")
     ap.add_argument("--resume", default=None, help="continue from this checkpoint (any layout)")
+    ap.add_argument("--keep-last", type=int, default=0, help="keep only the newest N step folders (0: all)")
     a = ap.parse_args(argv)
     try:
         cfg = load_config(a.config, parse_sets(a.set))
@@ -185,7 +194,8 @@ def main(argv: list[str] | None = None) -> int:
         print(e, file=sys.stderr)
         return 2
     out = run_training(cfg, log=lambda rec: print(json.dumps(rec), file=sys.stderr, flush=True),
-                       checkpoint_dir=a.checkpoint_dir, save_every=a.save_every, resume=a.resume)
+                       checkpoint_dir=a.checkpoint_dir, save_every=a.save_every, resume=a.resume,
+                       keep_last=a.keep_last)
     is_rank0 = rank() == 0
     if dist.is_initialized():
         import gc

@@ -1,0 +1,94 @@
+"""Joining the process group and bounding every collective: the init timeout, the train timeout, NCCL's knobs.
+
+    python -c "from curry_train.train.comm_init import rank_env; from curry_train.config import Config; \
+               print(rank_env(Config(), 'cuda', '/tmp/run'))"
+
+A hung rank must fail the job in bounded time, not after torch's defaults (10 min NCCL, 30 min gloo). Two
+timeouts, as torchtitan sets them (Wang et al. 2024, "TorchTitan", §3.4; torchtitan/distributed/utils.py):
+`comm.init_timeout_s` from `init_process_group` through the first optimizer step (compilation, the first
+all-gathers, allocator warm-up), then `comm.train_timeout_s` on the default group and every mesh group
+(`dist.distributed_c10d._set_pg_timeout`, which reaches both ProcessGroupNCCL and ProcessGroupGloo in torch 2.13).
+A DeviceMesh's groups are created with torch's default timeout, not the default group's, so they are set
+explicitly. See docs/ARCHITECTURE.md#cluster-robustness.
+
+On CUDA the launcher sets torch's own NCCL knobs for the ranks (`rank_env`): asynchronous error handling in mode
+3 (tear the process down without cleanup: the mode under which the flight recorder can dump), the flight
+recorder's ring buffer and its dump on timeout into the run folder (`<run_dir>/comm_traces/rank_<R>`). On CPU
+(gloo) none of them exist, and nothing is set.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from curry_train.config import Config
+
+# The flight recorder's ring of the last collectives per rank (torchtitan's comm.trace_buf_size default).
+TRACE_BUFFER_ENTRIES = 20_000
+TRACE_FOLDER = "comm_traces"
+
+
+def backend_for(device_type: str) -> str:
+    """gloo on CPU, nccl on CUDA: the backend follows the device, never a switch."""
+    return "nccl" if device_type == "cuda" else "gloo"
+
+
+def rank_env(cfg: Config, device_type: str, run_dir: str | Path) -> dict[str, str]:
+    """Environment the launcher gives every rank: torch's NCCL knobs on CUDA, nothing on CPU."""
+    if device_type != "cuda":
+        return {}
+    traces = Path(run_dir) / TRACE_FOLDER
+    traces.mkdir(parents=True, exist_ok=True)
+    return {
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3",  # the flight recorder dumps only without the abort's cleanup
+        "TORCH_NCCL_TRACE_BUFFER_SIZE": str(TRACE_BUFFER_ENTRIES),
+        "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": str(traces / "rank_"),  # torch appends the rank
+    }
+
+
+def init_process_group(cfg: Config, device: torch.device) -> None:
+    """The default group for this rank: the device's backend, the init timeout, and on CUDA the rank's device
+    (`device_id` binds the communicator to it eagerly, so the first collective does not guess the GPU)."""
+    kwargs: dict[str, Any] = {"timeout": timedelta(seconds=cfg.comm.init_timeout_s)}
+    if device.type == "cuda":
+        kwargs["device_id"] = device
+    dist.init_process_group(backend_for(device.type), **kwargs)
+
+
+def set_train_timeout(cfg: Config, mesh: Any = None) -> list[dist.ProcessGroup]:
+    """After the first optimizer step: every rank has finished it (barrier, device sync), then the default group
+    and each mesh dimension's group get `comm.train_timeout_s`. Returns the groups set (for tests)."""
+    if not dist.is_initialized():
+        return []
+    dist.barrier()
+    if torch.cuda.is_available() and dist.get_backend() == "nccl":
+        torch.cuda.synchronize()
+    timeout = timedelta(seconds=cfg.comm.train_timeout_s)
+    groups = [dist.group.WORLD]
+    if mesh is not None:
+        groups += [mesh.get_group(i) for i in range(mesh.ndim)]
+    done: list[dist.ProcessGroup] = []
+    for g in groups:
+        if all(g is not d for d in done):
+            dist.distributed_c10d._set_pg_timeout(timeout, g)
+            done.append(g)
+    return done
+
+
+def pg_timeout(group: dist.ProcessGroup | None = None) -> timedelta:
+    """The timeout a group's backend applies now (torch 2.13 exposes it as `ProcessGroup.options._timeout` for
+    NCCL and `_get_backend(cpu).options._timeout` for gloo; read through the backend for both)."""
+    g = group or dist.group.WORLD
+    dev = torch.device("cuda") if torch.device("cuda") in g._device_types else torch.device("cpu")
+    return g._get_backend(dev).options._timeout
+
+
+def local_rank() -> int:
+    return int(os.environ.get("LOCAL_RANK", "0"))
