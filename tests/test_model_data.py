@@ -53,7 +53,7 @@ def test_tiny_loss_falls_over_50_steps():
     cfg = load_config(TINY, {"train.steps": 50})
     torch.manual_seed(0)
     par = setup(cfg)
-    losses = [train_step(par, s).loss for s in range(50)]
+    losses = [train_step(par, s, read=True).loss for s in range(50)]
     assert losses[0] > 5.0  # ~ln(256) at init
     assert sum(losses[-5:]) / 5 < 0.5 * losses[0], losses[::10]
     assert count_params(par.parts[0]) > 0
