@@ -151,3 +151,18 @@ def test_the_counter_sees_what_it_counts():
     with HostSyncs() as c:
         float(t.sum()), t.tolist(), t.to("cpu"), t.to("cpu", non_blocking=True), t.to(torch.float64)
     assert [w for w, _ in c.syncs] == ["__float__", "tolist", "blocking to"] and c.async_copies == 1
+
+
+def test_the_architecture_page_quotes_the_log_and_gc_defaults():
+    from curry_train.config import TrainConfig
+
+    from tests.conftest import REPO
+
+    page = (REPO / "docs" / "ARCHITECTURE.md").read_text(encoding="utf-8")
+    log_every, gc_every = (TrainConfig.model_fields[f].default for f in ("log_every", "gc_every"))
+    assert f"`train.log_every` = {log_every} by" in page and f"`train.gc_every` = {gc_every} steps" in page
+    steps = load_config(TINY).train.steps
+    from curry_train.train.loop import is_log_step
+
+    read = [s + 1 for s in range(steps) if is_log_step(load_config(TINY), s)]
+    assert f"the {len(read)} reads of a {steps}-step" in page and f"(steps {', '.join(map(str, read))})" in page
