@@ -8,7 +8,8 @@ probabilities 0.7/0.15/0.1/0.05. A model can learn it (entropy ~1.0 nat vs ln V 
 Row i of step s has its own generator (seeded by seed, s, i), so a rank generates only its own rows and the
 split never changes the data: at the llama3-8b preset (512 x 8192 tokens, dp 8) a rank builds 64 rows, not 512.
 The chain is sequential in t, so a CP rank still generates its rows' whole sequences (T ids per row) and keeps
-its positions.
+its positions. A rank's rows of one step are built in one pass (`rank_micro_batches`: the chain advanced
+for all of them at once), which train/feed.py runs one step ahead on a background thread.
 
 A token file (`data.path`, data.dtype uint16 | uint32: the nanoGPT `.bin` layout, raw ids and no header, e.g.
 from `curry-train prepare-data`) is memory-mapped (numpy.memmap): row i of step s is the window
