@@ -166,3 +166,21 @@ def test_the_architecture_page_quotes_the_log_and_gc_defaults():
 
     read = [s + 1 for s in range(steps) if is_log_step(load_config(TINY), s)]
     assert f"the {len(read)} reads of a {steps}-step" in page and f"(steps {', '.join(map(str, read))})" in page
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA's own sync detector needs a GPU")
+def test_cuda_reports_no_synchronizing_call_in_a_step_between_logs():
+    """The device-side check of the counter above: torch.cuda.set_sync_debug_mode("error") raises on any call
+    that synchronizes with the device (a D2H read, a copy from pageable memory, a stream synchronize)."""
+    from curry_train.train.loop import setup, train_step
+
+    par = setup(load_config(TINY, {**BASE, "hardware.device": "cuda"}))
+    train_step(par, 0)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for s in range(1, 4):
+            train_step(par, s, read=False)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert train_step(par, 4, read=True).loss is not None

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from curry_train.config import Config, ConfigError, load_config, parse_sets
-from curry_train.mesh import Topology, build_mesh, device_type, node_layout
+from curry_train.mesh import Topology, build_mesh, device_type, node_layout, pp_mesh
 from curry_train.model.gpt import aux_loss, build_meta_model
 from curry_train.parallel.parallelize import Parallelized, grad_reduce_group, parallelize
 from curry_train.train.feed import feed_of
@@ -132,7 +132,7 @@ def reduce_losses(par: Parallelized, losses: list[torch.Tensor]) -> list[float]:
     steps and one host read for all of them (every rank must call it, with the same number of steps)."""
     loss = torch.stack([t.float() for t in losses])  # [steps]
     if par.topo.pp > 1:  # only the last stage has the loss: summing over the pp group hands it to every stage
-        dist.all_reduce(loss, op=dist.ReduceOp.SUM, group=par.mesh["pp"].get_group())
+        dist.all_reduce(loss, op=dist.ReduceOp.SUM, group=pp_mesh(par.mesh).get_group())
     group = grad_reduce_group(par)  # ... then average over the ranks that saw different rows (dp) or tokens (cp)
     if group is not None and dist.get_world_size(group) > 1:
         dist.all_reduce(loss, op=dist.ReduceOp.SUM, group=group)  # gloo has no AVG for every dtype

@@ -92,8 +92,10 @@ def global_grad_norm(parts: list[nn.Module], cfg: Config, mesh: Any) -> torch.Te
 
             dist.all_reduce(s, group=ep_meshes(mesh, ep)[0].get_group())
         total += s
-    if mesh is not None and mesh["pp"].size() > 1:
-        dist.all_reduce(total, group=mesh["pp"].get_group())
+    if mesh is not None and cfg.parallel.pp > 1:
+        from curry_train.mesh import pp_mesh
+
+        dist.all_reduce(total, group=pp_mesh(mesh).get_group())
     return total.sqrt()
 
 
