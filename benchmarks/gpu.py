@@ -55,6 +55,7 @@ def mfu_run(overrides: dict, steps: int, warmup: int) -> dict:
     import torch
     from curry_train.config import load_config
     from curry_train.estimator import flops_per_token, peak_flops
+    from curry_train.measure.steptime import timed_step
     from curry_train.model.gpt import count_params
     from curry_train.train.loop import setup, train_step
 
@@ -62,7 +63,7 @@ def mfu_run(overrides: dict, steps: int, warmup: int) -> dict:
     par = setup(cfg)
     for s in range(warmup):
         train_step(par, s)
-    times = [train_step(par, warmup + s).step_time_s for s in range(steps)]
+    times = [timed_step(par, warmup + s).step_time_s for s in range(steps)]
     dt = statistics.median(times)
     tokens_per_s = cfg.train.global_batch * cfg.train.seq_len / dt
     name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"

@@ -161,7 +161,7 @@ def test_each_rung_resumes_the_previous_rungs_checkpoint_for_real(project, monke
     torch.set_num_threads(1)
     cfg = load_config(project / "configs" / "local" / "tiny-climb.yaml", {"parallel.dp": 1, "parallel.zero": 0})
     par = setup(cfg)
-    ref = [train_step(par, s).loss for s in range(6)]  # the same 6 steps, uninterrupted, on one device
+    ref = [train_step(par, s, read=True).loss for s in range(6)]  # the same 6 steps, uninterrupted, on one device
     print(json.dumps({"reference": ref, "climb": base.losses + z3.losses}))
     assert base.losses + z3.losses == pytest.approx(ref, rel=1e-5)
 
@@ -320,5 +320,5 @@ async def test_climb_over_mcp_is_the_cli_climb(project, monkeypatch):
     torch.set_num_threads(1)
     cfg = load_config(project / "configs" / "local" / "tiny-climb.yaml", {"parallel.recompute": "none"})
     par = setup(cfg)
-    ref = [train_step(par, s).loss for s in range(6)]  # the same 6 steps, uninterrupted, on one device
+    ref = [train_step(par, s, read=True).loss for s in range(6)]  # the same 6 steps, uninterrupted, on one device
     assert base["losses"] + rung["losses"] == pytest.approx(ref, rel=1e-5)

@@ -50,7 +50,7 @@ def _steps(overrides: dict, steps: int = 2) -> list[float]:
     base = "tiny-moe" if overrides.pop("moe", False) else "tiny"
     cfg = load_config(PRESETS / f"{base}.yaml", {"hardware.device": "cuda", **overrides})
     par = setup(cfg, torch.device("cuda", 0))
-    return [train_step(par, s).loss for s in range(steps)]
+    return [train_step(par, s, read=True).loss for s in range(steps)]
 
 
 PRIMITIVES = {

@@ -53,7 +53,7 @@ def test_tiny_loss_falls_over_50_steps():
     cfg = load_config(TINY, {"train.steps": 50})
     torch.manual_seed(0)
     par = setup(cfg)
-    losses = [train_step(par, s).loss for s in range(50)]
+    losses = [train_step(par, s, read=True).loss for s in range(50)]
     assert losses[0] > 5.0  # ~ln(256) at init
     assert sum(losses[-5:]) / 5 < 0.5 * losses[0], losses[::10]
     assert count_params(par.parts[0]) > 0
@@ -82,3 +82,35 @@ def test_a_rank_generates_only_its_own_synthetic_rows_and_gets_the_reference_sli
             assert sorted(built) == list(range(dp * 4, dp * 4 + 4))  # its 4 rows of 8, nothing else
             for m, (xb, yb, _) in enumerate(got):
                 assert torch.equal(xb[0], x[dp * 4 + m, pos]) and torch.equal(yb[0], y[dp * 4 + m, pos])
+
+
+def test_the_feed_serves_the_reference_rows_built_one_step_ahead_off_the_training_thread(monkeypatch):
+    """train/feed.py: the rows of a step are the reference's slices whether prefetched (the next step, built on the
+    feed's thread) or built on the spot (a jump, as on resume); each device copy is a fresh tensor."""
+    import threading
+
+    from curry_train.model.data import micro_batches
+    from curry_train.train import feed as feed_mod
+
+    cfg = load_config(TINY, {"parallel.dp": 2, "parallel.cp": 2, "train.micro_batch": 1})
+    built: dict[int, str] = {}
+    real = feed_mod.rank_micro_batches
+
+    def spy(cfg, step, dp_rank, cp_rank=0):
+        built[step] = threading.current_thread().name
+        return real(cfg, step, dp_rank, cp_rank)
+
+    monkeypatch.setattr(feed_mod, "rank_micro_batches", spy)
+    feed = feed_mod.Feed(cfg, torch.device("cpu"), 1, 1)
+    for step in (3, 4, 7):  # in order, then a jump
+        batch = feed.host(step)
+        want = list(micro_batches(cfg, *global_batch(cfg, step), 1, 1))
+        for m, (x, y, pos) in enumerate(want):
+            got = feed.micro(batch, m)
+            assert all(torch.equal(a, b) for a, b in zip(got, (x, y, pos))), (step, m)
+        dev = feed.to_device(batch[0])
+        assert dev.data_ptr() != batch[0].data_ptr() and torch.equal(dev, batch[0])
+    feed.close()
+    main = threading.main_thread().name
+    assert built[3] == main and built[7] == main  # nothing was ahead of them
+    assert built[4].startswith("curry-feed") and built[8].startswith("curry-feed"), built

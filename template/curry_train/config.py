@@ -70,6 +70,12 @@ class TrainConfig(_Section):
         "constant", description="constant, or cosine decay to lr/10 at train.steps (after the warm-up).")
     warmup_steps: int = Field(0, ge=0, description="Linear warm-up from lr/(warmup_steps+1) to lr over these steps.")
     grad_clip: float = Field(0.0, ge=0.0, description="Clip the global gradient L2 norm to this value; 0 = off.")
+    # Every read of the loss waits for the device (and all-reduces it), which drains the queue of kernels the host
+    # had launched ahead; 10 is torchtitan's metrics.log_freq default (docs/ARCHITECTURE.md#training-step).
+    log_every: int = Field(10, ge=1, description="Reduce, read and log the loss every N steps (plus the first and "
+                           "the last step); the steps in between never wait for the device.")
+    gc_every: int = Field(50, ge=0, description="Python's GC is off during `train`, with one collection every N "
+                          "steps (torchtitan's default); 0 = leave GC on.")
     loss_chunks: int = Field(
         0, ge=0, description="Token chunks of the LM head + cross entropy (only one chunk's fp32 logits live at a "
                              "time); 0 = auto, ceil(vocab_size / d_model); 1 = unchunked.")

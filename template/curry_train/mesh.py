@@ -83,15 +83,17 @@ def build_mesh(topo: Topology, device: str, *, dp_replicate: int = 1, experts: b
     """4-D DeviceMesh named ("pp", "dp", "cp", "tp") with every view the layout uses built here, up front.
 
     Creating a process group is a collective that every rank must enter in the same order, so every sub-mesh is
-    created here, in one fixed order, and never later: the dp x cp gradient mesh (dp_cp_mesh), HSDP's 2-D mesh
-    when dp_replicate > 1 (fsdp_mesh), the expert meshes when the model has experts or ep > 1 (ep_meshes). The
-    accessors below only read what was built. Every rank must call it.
+    created here, in one fixed order, and never later: the pp mesh (pp_mesh), the dp x cp gradient mesh
+    (dp_cp_mesh), HSDP's 2-D mesh when dp_replicate > 1 (fsdp_mesh), the expert meshes when the model has experts
+    or ep > 1 (ep_meshes). The accessors below only read what was built. Every rank must call it.
     """
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh(device, (topo.pp, topo.dp, topo.cp, topo.tp), mesh_dim_names=AXES)
     flat = mesh["dp", "cp"]._flatten("dp_cp")  # dp-major, cp-minor: index dp_i * cp + cp_i
-    views: dict[str, Any] = {"dp_cp": flat}
+    # the pp view too: slicing a DeviceMesh builds a new one each time (reading its rank map on the host), which
+    # the per-step code (the clip norm's and the loss's reductions over pp) must not do
+    views: dict[str, Any] = {"dp_cp": flat, "pp": mesh["pp"]}
     if dp_replicate > 1:
         n = flat.size()
         views["fsdp", dp_replicate] = flat._unflatten("dp_cp", (dp_replicate, n // dp_replicate),
@@ -118,6 +120,11 @@ def expert_rank_grid(topo: Topology) -> torch.Tensor:
     """Global ranks [pp, edp, ep, cp, tp]: build_mesh's row-major (pp, dp, cp, tp) order with dp unflattened into
     (edp, ep), ep fastest, as ep_meshes does; for code that needs the layout without creating process groups."""
     return torch.arange(topo.world_size).view(topo.pp, topo.dp // topo.ep, topo.ep, topo.cp, topo.tp)
+
+
+def pp_mesh(mesh):
+    """The 1-D pipeline mesh (the ranks holding the other stages of the same rows), sliced once by build_mesh."""
+    return _view(mesh, "pp", "pp")
 
 
 def dp_cp_mesh(mesh):

@@ -30,7 +30,8 @@ def bench_job(spec: dict[str, Any]) -> dict[str, Any]:
     from curry_train.config import from_dict
     from curry_train.measure.init_memory import measure_init
     from curry_train.measure.memory import measure_step
-    from curry_train.train.loop import init_distributed, rank, train_step
+    from curry_train.measure.steptime import timed_step
+    from curry_train.train.loop import collect_garbage, init_distributed, rank, reduce_losses
 
     cfg = from_dict(spec["config"])
     steps, warmup = int(spec.get("steps", 5)), int(spec.get("warmup", 1))
@@ -52,11 +53,14 @@ def bench_job(spec: dict[str, Any]) -> dict[str, Any]:
 
             start = out["start_step"] = load(par, spec["resume"])
         history = []
-        for s in range(warmup + steps):
-            history.append(train_step(par, start + s))
-            phase = f"warm-up {s + 1}/{warmup}" if s < warmup else f"step {s + 1 - warmup}/{steps}"
-            _say(progress, f"{phase}: loss {history[-1].loss:.4f}, {history[-1].step_time_s * 1e3:.1f} ms")
-        out["losses"] = [h.loss for h in history]
+        with collect_garbage(cfg.train.gc_every) as tick:  # as `train` runs: no automatic GC inside a step
+            for s in range(warmup + steps):
+                history.append(timed_step(par, start + s))
+                tick(s)
+                phase = f"warm-up {s + 1}/{warmup}" if s < warmup else f"step {s + 1 - warmup}/{steps}"
+                _say(progress, f"{phase}: {history[-1].step_time_s * 1e3:.1f} ms")
+        # every step's global loss in one all-reduce and one host read, after the timed steps
+        out["losses"] = reduce_losses(par, [h.loss_local for h in history])
         out["step_time_s"] = [h.step_time_s for h in history[warmup:]]
         if cuda:
             out["cuda_peak_timed"] = int(torch.cuda.max_memory_allocated(device))

@@ -8,7 +8,8 @@ probabilities 0.7/0.15/0.1/0.05. A model can learn it (entropy ~1.0 nat vs ln V 
 Row i of step s has its own generator (seeded by seed, s, i), so a rank generates only its own rows and the
 split never changes the data: at the llama3-8b preset (512 x 8192 tokens, dp 8) a rank builds 64 rows, not 512.
 The chain is sequential in t, so a CP rank still generates its rows' whole sequences (T ids per row) and keeps
-its positions.
+its positions. A rank's rows of one step are built in one pass (`rank_micro_batches`: the chain advanced
+for all of them at once), which train/feed.py runs one step ahead on a background thread.
 
 A token file (`data.path`, data.dtype uint16 | uint32: the nanoGPT `.bin` layout, raw ids and no header, e.g.
 from `curry-train prepare-data`) is memory-mapped (numpy.memmap): row i of step s is the window
@@ -32,9 +33,13 @@ from curry_train.config import Config, ConfigError, Problem
 _SUCC_PROBS = torch.tensor([0.70, 0.15, 0.10, 0.05])
 
 
-def _successors(vocab: int, seed: int) -> torch.Tensor:
+@lru_cache(maxsize=4)
+def _successors(vocab: int, seed: int) -> np.ndarray:
+    """[V, 4] int64: the successor table, drawn once per (vocab, seed) and cached (read-only)."""
     g = torch.Generator().manual_seed(seed * 7919 + 17)
-    return torch.randint(0, vocab, (vocab, len(_SUCC_PROBS)), generator=g)  # [V, 4]
+    table = torch.randint(0, vocab, (vocab, len(_SUCC_PROBS)), generator=g).numpy()
+    table.flags.writeable = False
+    return table
 
 
 def global_batch(cfg: Config, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -53,17 +58,22 @@ def batch_rows(cfg: Config, step: int, rows,
 
 def _synthetic_rows(cfg: Config, step: int, rows) -> tuple[torch.Tensor, torch.Tensor]:
     V, T, seed = cfg.model.vocab_size, cfg.train.seq_len, cfg.train.seed
-    succ = _successors(V, seed)
+    succ = _successors(V, seed)  # [V, 4]
     rows = list(rows)
-    tokens = torch.empty(len(rows), T + 1, dtype=torch.long)  # [R, T+1]
-    choice = torch.empty(len(rows), T, dtype=torch.long)  # [R, T]: which of the 4 successors follows
+    tokens = np.empty((T + 1, len(rows)), dtype=np.int64)  # [T+1, R]: time-major, each step a contiguous row
+    choice = np.empty((T, len(rows)), dtype=np.int64)  # [T, R]: which of the 4 successors follows
     for j, i in enumerate(rows):  # one generator per row: any subset of rows is generated identically
         g = torch.Generator().manual_seed((seed * 1_000_003 + step) * 1_000_033 + i)
-        tokens[j, 0] = torch.randint(0, V, (1,), generator=g)
-        choice[j] = torch.multinomial(_SUCC_PROBS, T, replacement=True, generator=g)
-    for t in range(T):  # vectorised over the rows; the chain is sequential in t
-        tokens[:, t + 1] = succ[tokens[:, t], choice[:, t]]
-    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+        tokens[0, j] = int(torch.randint(0, V, (1,), generator=g))
+        choice[:, j] = torch.multinomial(_SUCC_PROBS, T, replacement=True, generator=g).numpy()
+    # The chain is sequential in t, vectorised over the rows; the successor lookup goes through the flat table
+    # (id * 4 + choice), one numpy gather per position on contiguous [R] rows (several times cheaper per
+    # position than torch's indexing; the prefetcher runs it off the training thread, train/feed.py).
+    flat, k = succ.reshape(-1), succ.shape[1]
+    for t in range(T):
+        np.take(flat, tokens[t] * k + choice[t], out=tokens[t + 1])
+    ids = torch.from_numpy(np.ascontiguousarray(tokens.T))  # [R, T+1]
+    return ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
 
 
 def cp_positions(seq_len: int, cp: int, cp_rank: int) -> torch.Tensor:
@@ -152,13 +162,14 @@ def file_rows(cfg: Config, step: int, rows, positions: torch.Tensor | None = Non
 
 def rank_micro_batches(cfg: Config, step: int, dp_rank: int, cp_rank: int = 0):
     """`micro_batches` of step `step` for one rank, built from that rank's rows only (and, from a token file,
-    only its CP positions): the same tensors as slicing `global_batch`, without the rest of the batch."""
+    only its CP positions): the same tensors as slicing `global_batch`, without the rest of the batch. All of
+    the rank's mb * n rows are built in one call (one pass of the chain), then split into micro-batches."""
     mb, n = cfg.train.micro_batch, cfg.num_microbatches
     pos = cp_positions(cfg.train.seq_len, cfg.parallel.cp, cp_rank)
+    lo = dp_rank * mb * n
+    x, y = batch_rows(cfg, step, range(lo, lo + mb * n), pos if cfg.parallel.cp > 1 else None)  # [mb*n, T_local]
     for m in range(n):
-        lo = dp_rank * mb * n + m * mb
-        x, y = batch_rows(cfg, step, range(lo, lo + mb), pos if cfg.parallel.cp > 1 else None)
-        yield x, y, pos
+        yield x[m * mb : (m + 1) * mb], y[m * mb : (m + 1) * mb], pos
 
 
 def prepare_text(text: str | Path, out: str | Path) -> dict[str, int | str]:

@@ -47,6 +47,7 @@ class Parallelized:
     stage_ids: list[int] = field(default_factory=list)  # pipeline stage index of each part
     loss_parallel: bool = False  # logits are vocab-sharded DTensors: compute the loss under loss_parallel()
     grad_sync: Callable[[bool], None] = lambda enabled: None  # skip the gradient reduction on accumulation steps
+    feed: Any = None  # train/feed.py Feed: this rank's micro-batches, prefetched (made by the first train_step)
 
     def loss_context(self) -> AbstractContextManager:
         if self.loss_parallel:

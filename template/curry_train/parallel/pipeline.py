@@ -37,12 +37,10 @@ import copy
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from curry_train.config import Config
-from curry_train.mesh import dp_cp_mesh
-from curry_train.model.data import cp_positions, rank_micro_batches
+from curry_train.model.data import cp_positions
 from curry_train.pipeline_split import pipeline_stage_ids, split_for, stage_layer_range
 
 SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved_1f1b": "ScheduleInterleaved1F1B"}
@@ -204,26 +202,29 @@ def _plain(t: torch.Tensor) -> torch.Tensor:
 def pipeline_forward_backward(par, step: int) -> torch.Tensor:
     """Optimizer step `step`'s forward and backward through the pipeline for this dp (and cp) rank's rows.
 
-    Only the owners of the first stage (tokens) and of the last (targets) build this rank's micro-batches; a
-    middle stage reads no data. Returns the global mean loss on every rank.
+    Only the owners of the first stage (tokens) and of the last (targets) build this rank's micro-batches (the
+    train/feed.py prefetcher); a middle stage reads no data. Returns this rank's mean loss: the last stage's over
+    its micro-batches, 0 on the other stages (train.loop.reduce_losses sums over pp, then averages over dp x cp).
     """
-    cfg, topo = par.cfg, par.topo
-    coords = topo.coords(dist.get_rank())
+    from curry_train.train.feed import feed_of
+
+    cfg = par.cfg
     last = cfg.parallel.pp * cfg.parallel.pp_virtual - 1
     first_stage, last_stage = 0 in par.stage_ids, last in par.stage_ids
     args: tuple[torch.Tensor, ...] = ()
     kwargs: dict[str, Any] = {}
     losses: list[torch.Tensor] = []
     if first_stage or last_stage:
-        mbs = list(rank_micro_batches(cfg, step, coords["dp"], coords["cp"]))
-        if first_stage:  # the owner of stage 0 feeds the tokens [m * mb, T / cp]; the schedule re-splits into m
-            args = (torch.cat([m[0] for m in mbs]).to(par.device),)
+        feed = feed_of(par)
+        x, y, _ = feed.host(step)  # [m * mb, T / cp]: the schedule re-splits into m micro-batches
+        if first_stage:  # the owner of stage 0 feeds the tokens
+            args = (feed.to_device(x),)
         if last_stage:
-            y = torch.cat([m[1] for m in mbs]).to(par.device)
+            y = feed.to_device(y)
             # `target` (the schedule's, required with a loss_fn) and `targets` (the model's forward kwarg) are the
             # same ids
             kwargs = {"target": y, "losses": losses, "targets": y}
-        del mbs  # only the concatenated copies stay alive through the schedule
+        del x, y  # only the device copies stay alive through the schedule
     # loss_parallel covers the last stage's forward (the loss) and the backward (the schedule runs both inside
     # step()). return_outputs=False: only the losses are used here.
     with par.autocast(), par.loss_context():
@@ -232,13 +233,6 @@ def pipeline_forward_backward(par, step: int) -> torch.Tensor:
         reduce_experts = getattr(part, "_curry_reduce_experts", None)
         if reduce_experts is not None:
             reduce_experts()
-    loss = torch.stack([_plain(t).detach().float() for t in losses]).mean() if losses else torch.zeros(())
-    loss = loss.to(par.device)
-    # Only the last stage has the loss: summing over the pp group hands it to every stage ...
-    dist.all_reduce(loss, op=dist.ReduceOp.SUM, group=par.mesh["pp"].get_group())
-    # ... then average over the ranks that saw different rows (dp) or tokens (cp).
-    group = dp_cp_mesh(par.mesh).get_group()
-    if dist.get_world_size(group) > 1:
-        dist.all_reduce(loss, op=dist.ReduceOp.SUM, group=group)
-        loss /= dist.get_world_size(group)
-    return loss
+    if not losses:
+        return torch.zeros((), device=par.device)
+    return torch.stack([_plain(t).detach().float() for t in losses]).mean()

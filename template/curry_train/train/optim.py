@@ -92,14 +92,17 @@ def global_grad_norm(parts: list[nn.Module], cfg: Config, mesh: Any) -> torch.Te
 
             dist.all_reduce(s, group=ep_meshes(mesh, ep)[0].get_group())
         total += s
-    if mesh is not None and mesh["pp"].size() > 1:
-        dist.all_reduce(total, group=mesh["pp"].get_group())
+    if mesh is not None and cfg.parallel.pp > 1:
+        from curry_train.mesh import pp_mesh
+
+        dist.all_reduce(total, group=pp_mesh(mesh).get_group())
     return total.sqrt()
 
 
 @torch.no_grad()
-def clip_grads_(parts: list[nn.Module], cfg: Config, mesh: Any) -> float:
-    """Scale every gradient by min(1, grad_clip / (norm + 1e-6)); returns the pre-clip global norm."""
+def clip_grads_(parts: list[nn.Module], cfg: Config, mesh: Any) -> torch.Tensor:
+    """Scale every gradient by min(1, grad_clip / (norm + 1e-6)); returns the pre-clip global norm, a float64
+    device scalar: the scale is applied on the device, so the host never waits for the norm."""
     norm = global_grad_norm(parts, cfg, mesh)
     coef = torch.clamp(cfg.train.grad_clip / (norm + 1e-6), max=1.0)
     for part in parts:
@@ -107,14 +110,15 @@ def clip_grads_(parts: list[nn.Module], cfg: Config, mesh: Any) -> float:
             if p.grad is not None:
                 g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
                 g.mul_(coef.to(g.dtype))
-    return float(norm)
+    return norm
 
 
 def optimizer_step(optimizer: torch.optim.Optimizer, parts: list[nn.Module], cfg: Config, step: int,
-                   mesh: Any = None) -> float | None:
+                   mesh: Any = None) -> torch.Tensor | None:
     """Update the parameters from their accumulated gradients for optimizer step `step` (every rank calls it):
     clip to train.grad_clip by the global norm (if > 0), set every param group's lr to `lr_at(cfg, step)`, step.
-    Returns the pre-clip global gradient norm, or None when clipping is off (the norm is then not computed)."""
+    Returns the pre-clip global gradient norm (a device scalar, unread), or None when clipping is off (the norm is
+    then not computed)."""
     norm = clip_grads_(parts, cfg, mesh) if cfg.train.grad_clip > 0 else None
     lr = lr_at(cfg, step)
     for group in optimizer.param_groups:

@@ -179,16 +179,15 @@ def cp_local_lse(stack, cfg: Config, target: str | None) -> Planted:
 
 
 def data_same_rows(stack, cfg: Config, target: str | None) -> Planted:
-    """Every dp rank reads dp rank 0's rows (loop and pipeline import rank_micro_batches by name)."""
+    """Every dp rank reads dp rank 0's rows (train/feed.py, which every layout's step reads its micro-batches from,
+    imports rank_micro_batches by name)."""
     from curry_train.model import data
-    from curry_train.parallel import pipeline
-    from curry_train.train import loop
+    from curry_train.train import feed
 
     def rank0_step(cfg, step, dp_rank, cp_rank=0):
         return data.rank_micro_batches(cfg, step, 0, cp_rank)
 
-    _patch(stack, loop, "rank_micro_batches", rank0_step)
-    _patch(stack, pipeline, "rank_micro_batches", rank0_step)
+    _patch(stack, feed, "rank_micro_batches", rank0_step)
     return Planted()
 
 

@@ -36,7 +36,7 @@ def mid_layer_forward(stack, cfg: Config, target: str | None) -> Planted:
 
 
 def cp_loss_unreduced(stack, cfg: Config, target: str | None) -> Planted:
-    """The step's loss is averaged over the dp ranks only, not dp x cp (train.loop.forward_backward reads its
+    """The step's loss is averaged over the dp ranks only, not dp x cp (train.loop.reduce_losses reads its
     group from grad_reduce_group by name): each cp rank reports the loss of its own sequence chunks. Gradients
     and updates are exact (the reported loss is not what backward ran on); only the per-rank scalar is wrong."""
     from curry_train.train import loop

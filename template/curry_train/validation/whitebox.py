@@ -182,7 +182,7 @@ def parallel_job(spec: dict[str, Any]) -> dict[str, Any]:
         skip = probe.skipping_pipeline_inference() if par.topo.pp > 1 else contextlib.nullcontext()
         for step in range(spec.get("steps", 2)):
             with skip if step == 0 else contextlib.nullcontext():
-                r = train_step(par, step, after_backward=read_grads)
+                r = train_step(par, step, after_backward=read_grads, read=True)  # every step's loss and norm
             losses.append(r.loss)
             scalars.append((r.loss, r.grad_norm))  # this rank's own loss and the norm it clipped by
             local = _local_full(par, "param")  # after every update: the first wrong step is the one named
