@@ -110,6 +110,7 @@ def test_the_feed_serves_the_reference_rows_built_one_step_ahead_off_the_trainin
             assert all(torch.equal(a, b) for a, b in zip(got, (x, y, pos))), (step, m)
         dev = feed.to_device(batch[0])
         assert dev.data_ptr() != batch[0].data_ptr() and torch.equal(dev, batch[0])
+    feed.host(8)  # waits for the step built ahead after 7 (close() cancels a build that has not started yet)
     feed.close()
     main = threading.main_thread().name
     assert built[3] == main and built[7] == main  # nothing was ahead of them
