@@ -90,9 +90,6 @@ MATRIX: dict[str, dict[str, Any]] = {
     "moe-ep2": {"parallel.dp": 2, "parallel.ep": 2},
     "moe-ep4-zero3": {"parallel.dp": 4, "parallel.ep": 4, "parallel.zero": 3},
     "moe-dp2-zero2": {"parallel.dp": 2, "parallel.zero": 2},
-    # selective recompute under EP: the saved all-to-all outputs and top-k, every other expert GEMM
-    "moe-single-selective": {"parallel.recompute": "selective"},
-    "moe-ep2-selective": {"parallel.dp": 2, "parallel.ep": 2, "parallel.recompute": "selective"},
     # bf16 compute: autocast (single, DDP, TP, PP) and FSDP mixed precision (zero >= 2)
     "zero2-dp2-bf16-selective": {"parallel.dp": 2, "parallel.zero": 2, "train.dtype": "bfloat16",
                                  "parallel.recompute": "selective"},
