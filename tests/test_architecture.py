@@ -27,7 +27,7 @@ ROOTS = {"curry_train": REPO / "template" / "curry_train", "curry_train_mcp": RE
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("contract", ("curry_train", "curry_train.config", "curry_train.rules", "curry_train.paths", "curry_train.mesh",
                   "curry_train.pipeline_split", "curry_train.compat", "curry_train.breakdown",
-                  "curry_train.layout_warnings", "curry_train.wrapping")),
+                  "curry_train.layout_warnings", "curry_train.wrapping", "curry_train.sac_rule")),
     ("template", ("curry_train.model", "curry_train.parallel", "curry_train.train", "curry_train.validation")),
     ("estimator", ("curry_train.estimator",)),
     ("advice", ("curry_train.advice",)),

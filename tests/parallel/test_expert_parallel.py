@@ -16,6 +16,7 @@ import torch
 from curry_train.config import load_config
 from curry_train.train.launch import launch_forkserver
 from curry_train.validation.whitebox import whitebox_batch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.conftest import PRESETS
 
@@ -30,6 +31,7 @@ def _ep_checks(rank: int, world: int) -> dict:
     from curry_train.model.moe import MoE, expert_load
     from curry_train.parallel import comms
     from curry_train.parallel.expert_parallel import apply_ep
+    from curry_train.parallel.recompute import checkpointed
 
     out: dict = {}
     # 1. uneven all-to-all with a zero split: rank 0 keeps 3 rows and sends none; rank 1 sends 2, keeps 4.
@@ -81,7 +83,36 @@ def _ep_checks(rank: int, world: int) -> dict:
             )
         out[f"moe_cf{cf}"] = max(diffs)
         out[f"load_cf{cf}"] = expert_load(ep)[""]
+
+    # 3. The same EP layer checkpointed: collectives and host reads run in backward, per recompute mode.
+    for mode in ("none", "selective", "full"):
+        ep.host_syncs = 0
+        layer = checkpointed(ep.forward, mode) if mode != "none" else ep.forward
+        xr = xs.clone().requires_grad_()
+        with _Collectives() as c:
+            yr = layer(xr)
+            (yr * dy).sum().backward()
+        out[f"rc_{mode}"] = {"fwd": c.fwd, "bwd": c.bwd, "host_syncs": ep.host_syncs,
+                             "y": yr.detach(), "dx": xr.grad}
     return out
+
+
+class _Collectives(TorchDispatchMode):
+    """Counts the all-to-alls that run (functional or not), in forward and in backward (recomputation included)."""
+
+    OPS = ("_c10d_functional.all_to_all_single", "c10d.alltoall_base_", "c10d.alltoall_")
+
+    def __init__(self):
+        super().__init__()
+        self.fwd = self.bwd = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.name().replace("::", ".") in self.OPS:
+            if torch._C._current_graph_task_id() == -1:
+                self.fwd += 1
+            else:
+                self.bwd += 1
+        return func(*args, **(kwargs or {}))
 
 
 def test_ep_all_to_all_and_moe_layer_equal_the_single_rank_layer():
@@ -97,6 +128,14 @@ def test_ep_all_to_all_and_moe_layer_equal_the_single_rank_layer():
             routed_here = [sum(ld["routed"][2 * rank + e] for ld in loads) for e in range(2)]
             assert loads[rank]["received"] == routed_here
     assert res[0]["load_cf1.0"]["dropped"] == 64  # experts 0 and 1 each get all 64 tokens, capacity 32
+    for r in res:
+        # forward: counts + dispatch + combine (a checkpointed block runs the count exchange inside host_once,
+        # hidden from dispatch modes); backward: the 2 transposes, plus the 2 replays of full recompute only
+        assert {k: (r[k]["fwd"], r[k]["bwd"]) for k in ("rc_none", "rc_selective", "rc_full")} == {
+            "rc_none": (3, 2), "rc_selective": (2, 2), "rc_full": (2, 4)}, "selective replays no all-to-all"
+        assert [r[k]["host_syncs"] for k in ("rc_none", "rc_selective", "rc_full")] == [1, 1, 1]
+        for k in ("rc_selective", "rc_full"):  # recompute changes nothing the ranks compute
+            assert torch.equal(r[k]["y"], r["rc_none"]["y"]) and torch.equal(r[k]["dx"], r["rc_none"]["dx"])
 
 
 def _assert_passed(overrides, verdicts):
@@ -109,6 +148,8 @@ WORLD2 = [
     {"parallel.dp": 2, "parallel.ep": 2, "model.capacity_factor": 1.0},  # dropping, same rule as the reference
     {"parallel.dp": 2, "parallel.ep": 2, "parallel.zero": 2, "model.z_loss_coef": 1e-3},  # FSDP2 expert units
     {"parallel.dp": 2, "parallel.ep": 1},  # replicated experts: plain DDP
+    # selective recompute around nested FSDP expert units: saved all-to-alls, profiler markers ignored by SAC
+    {"parallel.dp": 2, "parallel.ep": 2, "parallel.zero": 2, "parallel.recompute": "selective"},
 ]
 WORLD4 = [
     {"parallel.dp": 4, "parallel.ep": 4, "parallel.zero": 3},  # acceptance

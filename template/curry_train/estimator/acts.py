@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from curry_train.config import loss_chunk_count
-from curry_train.estimator.layout import Layout, _block_tensors
+from curry_train.estimator.layout import Layout, _block_tensors, block_matmuls
+from curry_train.sac_rule import saved_matmuls
 
 
 @dataclass
@@ -95,10 +96,7 @@ def _acts(layout: Layout) -> _Acts:
     if layout.recompute == "full":
         saved = stream
     elif layout.recompute == "selective":
-        mm = n * (Dq + 2 * Dkv + D) * c + (n * (2 * Fl + D) * c if not layout.num_experts else _moe_mm(layout, n, c))
-        core = n * (Dq * c + Hl * 4)
-        rs = 2 * nn_ * D * c if sp else 0
-        saved = stream + mm + core + rs
+        saved = stream + _selective_saved(layout, n, nn_, c, path)
     else:
         saved = full
     pcopy = 0
@@ -183,7 +181,23 @@ def _shared_saved(layout: Layout, n: int, path: str) -> int:
     return n * 4 * Fs * c + (2 * 2 * n * layout.d_model if path == "autocast" else 0)
 
 
-def _moe_mm(layout: Layout, n: int, c: int) -> int:
-    _, Sk = _moe_slots(layout, n)
-    shared = n * (2 * layout.shared_d_ff + layout.d_model) * c if layout.shared_d_ff else 0
-    return n * layout.num_experts * 4 + Sk * (2 * layout.d_ff + layout.d_model) * c + shared
+def _selective_saved(layout: Layout, n: int, nn_: int, c: int, path: str) -> int:
+    """What parallel/recompute.py's selective policy keeps per block besides its input: every other matmul output
+    (curry_train/sac_rule.py, in layout.block_matmuls' order; the fp32 router's in fp32), the fused attention's out
+    [n, Dq] and fp32 logsumexp [n, Hl], SP's two reduce-scatter outputs [n/t, D]; MoE: the router's top-k values
+    (fp32) and ids (int64) [n, K] and, with ep > 1, the dispatch and combine all-to-all outputs [S_kept, D] (the
+    dispatched rows in the norm's dtype, fp32 under autocast; the combined rows in the compute dtype)."""
+    Hl, D = layout.n_heads // layout.tp, layout.d_model
+    El = layout.num_experts // layout.ep if layout.num_experts else 1
+    _, Sk = _moe_slots(layout, n) if layout.num_experts else (0, 0)
+    mms = block_matmuls(layout, n, Sk // El)
+    kept = sum(rows * w_out * (4 if fp32 else c)
+               for (rows, w_out, _, fp32), keep in zip(mms, saved_matmuls(len(mms))) if keep)
+    core = n * (Hl * layout.head_dim * c + Hl * 4)
+    rs = 2 * nn_ * D * c if layout.sp else 0
+    moe = 0
+    if layout.num_experts:
+        moe = n * layout.top_k * (4 + 8)
+        if layout.ep > 1:
+            moe += Sk * D * ((2 if path == "mp" else 4) + c)
+    return int(kept) + core + rs + moe

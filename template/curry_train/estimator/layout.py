@@ -11,6 +11,7 @@ from typing import Any
 
 from curry_train.config import Config, dense_width, loss_chunk_count, shared_width
 from curry_train.pipeline_split import layers_per_stage, stage_layer_range
+from curry_train.sac_rule import saved_matmuls
 from curry_train.wrapping import data_parallel_wrapper, fsdp_holds_step
 
 GiB = 2**30
@@ -241,6 +242,42 @@ def active_params(cfg: Config | Layout) -> int:
     return layout.n_layers * attn + ffn_all + layout.vocab_size * D
 
 
+def block_matmuls(layout: Layout, n: float, expert_rows: float) -> list[tuple[float, int, int, bool]]:
+    """One block's matmuls in the forward order the selective policy counts them (parallel/recompute.py), as
+    this rank runs them on n tokens: (rows, output width, input width, fp32). TP-local widths; MoE: the fp32
+    router, then the CPU loop kernel's three GEMMs per local expert (model/experts.py) on `expert_rows` rows
+    each (uniform routing), then the shared expert's three on every token (model/moe.py adds it after the routed
+    output; not TP-split). The GPU grouped kernel runs three GEMMs for all experts: its parity differs. A MoE
+    model's dense first blocks are `dense_view(layout)`'s."""
+    D, Dh, t = layout.d_model, layout.head_dim, layout.tp
+    Dq, Dkv, Fl = layout.n_heads // t * Dh, layout.n_kv_heads // t * Dh, layout.d_ff // t
+    mms = [(n, Dq, D, False), (n, Dkv, D, False), (n, Dkv, D, False), (n, D, Dq, False)]
+    if not layout.num_experts:
+        return mms + [(n, Fl, D, False), (n, Fl, D, False), (n, D, Fl, False)]
+    F = layout.d_ff
+    expert = [(expert_rows, F, D, False), (expert_rows, F, D, False), (expert_rows, D, F, False)]
+    Fs = layout.shared_d_ff
+    shared = [(n, Fs, D, False), (n, Fs, D, False), (n, D, Fs, False)] if Fs else []
+    return mms + [(n, layout.num_experts, D, True)] + expert * (layout.num_experts // layout.ep) + shared
+
+
+def selective_rerun_fraction(layout: Layout) -> float:
+    """Share of the blocks' matmul FLOPs that selective recompute reruns in backward (the unsaved matmuls); a
+    MoE model's dense first blocks (dense_view) weighed in by their count."""
+    def rerun_and_total(x: Layout) -> tuple[float, float]:
+        mms = block_matmuls(x, 1.0, x.top_k / (x.num_experts or 1) * x.ep)
+        flops = [rows * w_out * w_in for rows, w_out, w_in, _ in mms]
+        return sum(f for f, keep in zip(flops, saved_matmuls(len(mms))) if not keep), sum(flops)
+
+    rerun, total = rerun_and_total(layout)
+    k = layout.first_k_dense
+    if k:
+        d_rerun, d_total = rerun_and_total(dense_view(layout))
+        m = layout.n_layers - k
+        rerun, total = m * rerun + k * d_rerun, m * total + k * d_total
+    return rerun / total
+
+
 # The one MFU convention (docs/ESTIMATION.md "MFU"): model FLOPs count causal attention at half, as the kernels run
 # it and as Megatron-LM's num_floating_point_operations does; recompute is excluded (it is in hardware FLOPs, HFU)
 MFU_CONVENTION = ("MFU: model FLOPs 6 N_active + 6 L H Dh s per token (causal attention counted as half, recompute "
@@ -257,7 +294,8 @@ def flops_per_token(cfg: Config | Layout) -> float:
 
 def hardware_flops_per_token(cfg: Config | Layout) -> float:
     """FLOPs the kernels execute: causal attention does half the QK^T and PV work; full recompute reruns each
-    block's forward (+1/3 of the block FLOPs), selective reruns only the cheap element-wise ops; a chunked loss
+    block's forward (+1/3 of the block FLOPs), selective reruns the matmuls its policy does not save (about half
+    of them: +1/3 of their FLOPs) and the element-wise ops; a chunked loss
     reruns the LM head's forward in backward (model/gpt.py chunked_lm_loss: +2VD, +1/3 of the head FLOPs)."""
     layout = cfg if isinstance(cfg, Layout) else layout_of(cfg)
     linears = 6.0 * (active_params(layout) - layout.vocab_size * layout.d_model)
@@ -266,6 +304,8 @@ def hardware_flops_per_token(cfg: Config | Layout) -> float:
         head += 2.0 * layout.vocab_size * layout.d_model
     if layout.recompute == "full":
         linears *= 4.0 / 3.0
+    elif layout.recompute == "selective":  # the unsaved matmuls rerun their forward (2 of the 6 FLOPs per param)
+        linears *= 1.0 + selective_rerun_fraction(layout) / 3.0
     return linears + attention_flops_per_token(layout) + head
 
 

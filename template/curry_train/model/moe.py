@@ -27,6 +27,7 @@ from torch import nn
 from curry_train.config import ModelConfig
 from curry_train.model.experts import Experts
 from curry_train.parallel import comms
+from curry_train.parallel.recompute import host_once
 
 
 @dataclass
@@ -216,19 +217,24 @@ class MoE(nn.Module):
             y = AuxLossBackward.apply(y, r.aux_loss, self.aux_grad_scale)
         return y.view(B, T, D)
 
+    def _exchange(self, counts: torch.Tensor, group: Any) -> tuple[torch.Tensor, list[int]]:
+        """counts [E] -> (recv_counts [ep * El] ordered (src rank, local expert), the host list of both)."""
+        recv_counts = comms.exchange_counts(counts, group)
+        self.host_syncs += 1
+        return recv_counts, torch.cat([counts, recv_counts]).tolist()
+
     def _run_experts(self, xf: torch.Tensor, order: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, int]:
         """xf [N, D] tokens, order [S] slots grouped by global expert id (kept first), counts [E] kept slots per
         expert -> (expert outputs of the kept slots in `order`'s row order [S_kept, D], S_kept).
 
         The one host read of the layer: the all-to-all needs its split sizes as Python ints, so the send and
         receive counts come back together in a single `.tolist()` (`host_syncs` counts it; the kernels take the
-        group sizes on the device)."""
+        group sizes on the device). Selective or full recompute does not replay it, nor the count exchange: the
+        recomputation gets the forward's values (parallel/recompute.host_once)."""
         group, K = self.ep_group, self.m.top_k
         ep = comms.group_size(group)
         El = self.m.num_experts // ep
-        recv_counts = comms.exchange_counts(counts, group)  # [ep * El]: [src rank, local expert]
-        host = torch.cat([counts, recv_counts]).tolist()
-        self.host_syncs += 1
+        recv_counts, host = host_once(lambda: self._exchange(counts, group))  # once per forward, not replayed
         sent, recv = host[: ep * El], host[ep * El:]
         n_kept = sum(sent)
         x = xf[order[:n_kept] // K]  # [S_kept, D]

@@ -34,35 +34,27 @@ def group_rank(group: Any) -> int:
 # --------------------------------------------------------------------------- all-to-all (expert parallel)
 
 
-class AllToAll(torch.autograd.Function):
-    """all_to_all_single with uneven splits (GShard, Lepikhin et al. 2020, §2.2 dispatch / combine).
-
-    Forward: rank r sends rows [sum(in_splits[:j]), +in_splits[j]) of x [S, D] to rank j and receives
-    out_splits[j] rows from rank j, concatenated in rank order -> [R, D].
-    Backward: the transposed exchange (out_splits and in_splits swap roles), so gradients return to the rows
-    they came from. The list form `all_to_all` rejects uneven shapes on gloo (docs/CPU-DISTRIBUTED.md, quirk 3).
-    """
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: Any) -> torch.Tensor:
-        ctx.splits, ctx.group = (out_splits, in_splits), group
-        out = x.new_empty((sum(out_splits), *x.shape[1:]))  # [R, D]
-        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        out_splits, in_splits = ctx.splits
-        gx = grad.new_empty((sum(in_splits), *grad.shape[1:]))  # [S, D]
-        dist.all_to_all_single(gx, grad.contiguous(), in_splits, out_splits, group=ctx.group)
-        return gx, None, None, None
-
-
 def all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: Any) -> torch.Tensor:
-    """Differentiable uneven all-to-all; the identity on a size-1 group."""
+    """Differentiable all_to_all_single with uneven splits (GShard, Lepikhin et al. 2020, §2.2 dispatch /
+    combine); the identity on a size-1 group.
+
+    Rank r sends rows [sum(in_splits[:j]), +in_splits[j]) of x [S, D] to rank j and receives out_splits[j] rows
+    from rank j, concatenated in rank order -> [R, D]. The backward is the transposed exchange (the splits swap
+    roles), so gradients return to the rows they came from.
+
+    Through torch's functional collective (`_c10d_functional.all_to_all_single`, whose autograd torch registers
+    in torch.distributed._functional_collectives) rather than `dist.all_to_all_single` in an autograd.Function:
+    the functional op is an aten-level op with an output, so selective recompute's policy can save that output
+    and the recomputation never replays the exchange (parallel/recompute.py, docs/ARCHITECTURE.md#recompute).
+    The wait follows at once: the result is a plain tensor, not an AsyncCollectiveTensor. Works on gloo (CPU)
+    and NCCL alike; the list form `all_to_all` rejects uneven shapes on gloo (docs/CPU-DISTRIBUTED.md, quirk 3).
+    """
     if group_size(group) == 1:
         return x
-    return AllToAll.apply(x, out_splits, in_splits, group)
+    import torch.distributed._functional_collectives  # noqa: F401  registers the ops' autograd formulas
+
+    out = torch.ops._c10d_functional.all_to_all_single(x.contiguous(), out_splits, in_splits, group.group_name)
+    return torch.ops._c10d_functional.wait_tensor(out)  # [R, D]
 
 
 def exchange_counts(counts: torch.Tensor, group: Any) -> torch.Tensor:

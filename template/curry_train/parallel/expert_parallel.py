@@ -6,7 +6,8 @@ Shape legend: E experts, El = E / ep experts per rank, D d_model, F d_ff.
 
 GShard (Lepikhin et al. 2020, §2.2-2.3): ep consecutive dp ranks hold E/ep experts each; every rank routes its
 own tokens, an all-to-all sends each kept slot to the rank owning its expert, and a second all-to-all brings the
-outputs back (moe.MoE._run_experts; comms.AllToAll is differentiable with uneven splits).
+outputs back (moe.MoE._run_experts; comms.all_to_all, the functional all-to-all, is differentiable with uneven
+splits and its output is what selective recompute saves: docs/ARCHITECTURE.md#recompute).
 
 Gradients. Non-expert parameters are replicated over dp x cp and averaged there as usual. An expert shard on
 rank j already holds the gradient of *every* EP peer's tokens (the all-to-all's backward brought it home), so it

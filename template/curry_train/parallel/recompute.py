@@ -11,23 +11,34 @@ selective  Korthikanti et al. 2022, "Reducing Activation Recomputation in Large 
            large in memory. Implemented with torch's selective activation checkpointing (SAC): an op-level
            policy over the block's forward (torch.utils.checkpoint.create_selective_checkpoint_contexts).
 
-The selective policy (`SAVE_OPS`):
-  SAVED       matmul outputs (aten.mm / addmm: the q, k, v, o and w1, w3, w2 projections; _grouped_mm for MoE
-              experts): O(B*T*D*D) FLOPs each for O(B*T*D) bytes (w2's output is kept too, although only the
-              residual add reads it: a policy by op kind cannot tell the last projection from the others);
+The selective policy (`selective_policy`, op-level SAC as torchtitan applies it to Llama and MoE models):
+  SAVED       every other matmul output of a block (aten.mm / addmm / _grouped_mm, counted in forward order per
+              block call: the 1st, 3rd, 5th, ... are kept, the others rerun; curry_train/sac_rule.py). Dense block:
+              wq, wv, w1, w2 kept; wk, wo, w3 rerun. Half the projections' bytes for half their FLOPs;
               fused attention outputs (SDPA flash / efficient / cuDNN / CPU-flash: out [B, H, T, Dh] and its
               logsumexp [B, H, T]): rerunning the kernel costs O(B*H*T^2*Dh) FLOPs, the most expensive op of a
               block at long T, for O(B*T*D) bytes. Fused kernels never store the T x T softmax; their backward
               recomputes it tile by tile from q, k and the logsumexp (Dao et al. 2022, "FlashAttention", §3.1),
               which *is* the softmax recomputation Korthikanti et al. prescribe;
-              functional-collective reduce-scatters (sequence-parallel TP): replaying them costs bandwidth.
-  RECOMPUTED  everything else: RMSNorm (pow, mean, rsqrt, mul), RoPE, SiLU and the gate product, residual
-              adds, reshapes, GQA head repeats, and every piece of an *unfused* attention (aten.bmm of the
-              scores Q K^T and of P V, softmax, masking, the ring-attention LSE merges): these are the
-              [B, H, T, T]-sized tensors selective recompute exists to drop. bmm is recomputed on purpose:
-              in this model it only ever computes attention, so saving it would keep the T^2 scores.
+              MoE top-k (values and ids [N, K]): the routing decision is replayed bit for bit from it;
+              functional-collective outputs: SP's reduce-scatters and EP's dispatch / combine all-to-alls
+              (comms.all_to_all): replaying them costs bandwidth and, for the all-to-all, a host sync.
+  RECOMPUTED  everything else: the other matmuls, RMSNorm (pow, mean, rsqrt, mul), RoPE, SiLU and the gate
+              product, residual adds, reshapes, GQA head repeats, and every piece of an *unfused* attention
+              (aten.bmm of the scores Q K^T and of P V, softmax, masking, the ring-attention LSE merges): these
+              are the [B, H, T, T]-sized tensors selective recompute exists to drop. bmm is never saved: in this
+              model it only computes attention (or the padded expert kernel), so saving it would keep T^2 scores.
+  REPLAYED FROM THE FORWARD  the MoE dispatch's host read (split sizes) and the count exchange behind it:
+              `host_once` runs them once per block forward, hidden from the policy, and hands the recomputation
+              the forward's values, so EP + selective recompute replays no collective and no host sync.
 Memory per block (fp32, SwiGLU, no TP): none ~ the sum of all saved inputs of every op; selective keeps the
-block input, q/k/v/o, w1/w3/w2 outputs and the attention out + logsumexp; full keeps the block input only.
+block input, q, v, w1 and w2 outputs and the attention out + logsumexp; full keeps the block input only.
+
+The ops SAC must not count. SAC (torch 2.13) replays by (op, invocation index) and refuses an op that runs more
+often in the recomputation than in the forward. FSDP2's profiler markers do: a nested FSDP unit inside a block
+(MoE experts with ep > 1) marks its post-forward again during the recomputation. They compute nothing, so the
+checkpointed function adds them to torch's `SAC_IGNORED_OPS` while it runs (forward and recomputation) and
+restores the set afterwards (`_ignoring_markers`): importing this module changes no torch global.
 
 Both modes use non-reentrant checkpointing (torch.utils.checkpoint, use_reentrant=False): it composes with
 DDP, FSDP2 (whose pre-backward all-gather runs before the recompute) and DTensor TP, and it supports
@@ -40,17 +51,22 @@ Parameter names do not change: the block's `forward` is replaced on the instance
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
 import torch
 import torch.utils.checkpoint as _utils_checkpoint
 from torch import nn
+from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from curry_train.config import Config
+from curry_train.sac_rule import is_saved_matmul
 
 _aten = torch.ops.aten
+T_ = TypeVar("T_")
 
 
 def _ops(namespace: Any, *names: str) -> set:
@@ -58,28 +74,37 @@ def _ops(namespace: Any, *names: str) -> set:
     return {getattr(namespace, n).default for n in names if hasattr(namespace, n)}
 
 
-SAVE_OPS = (
-    _ops(_aten, "mm", "addmm", "_grouped_mm")
-    | _ops(_aten, "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
-           "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu")
-    | _ops(torch.ops._c10d_functional, "reduce_scatter_tensor")
+MATMUL_OPS = _ops(_aten, "mm", "addmm", "_grouped_mm")  # counted: every other one saved (sac_rule.py)
+SAVE_OPS = (  # always saved
+    _ops(_aten, "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+         "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
+         "_scaled_dot_product_attention_math", "topk")
+    | _ops(torch.ops._c10d_functional, "reduce_scatter_tensor", "all_to_all_single")
 )
 
 
-def selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-    """SAC policy: save the outputs of the ops in SAVE_OPS, recompute everything else."""
-    return CheckpointPolicy.MUST_SAVE if op in SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+def selective_policy_for_block() -> Callable[..., CheckpointPolicy]:
+    """A fresh SAC policy for one checkpointed block call: its own matmul counter, so the parity starts over in
+    every block and micro-batch. torch 2.13 asks the policy in the forward only and replays its decisions by
+    (op, invocation index); the counter skips recompute calls all the same, for torch versions that ask then."""
+    seen = {"mm": 0}
+
+    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        if op in MATMUL_OPS:
+            if ctx.is_recompute:
+                return CheckpointPolicy.PREFER_RECOMPUTE
+            k, seen["mm"] = seen["mm"], seen["mm"] + 1
+            return CheckpointPolicy.MUST_SAVE if is_saved_matmul(k) else CheckpointPolicy.PREFER_RECOMPUTE
+        return CheckpointPolicy.MUST_SAVE if op in SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return policy
 
 
 def _selective_context():
-    return create_selective_checkpoint_contexts(selective_policy)
+    return create_selective_checkpoint_contexts(selective_policy_for_block())
 
 
-# SAC replays ops by (op, invocation index) and refuses an op that runs more often in the recomputation than in the
-# forward. The profiler markers FSDP2's hooks emit do: a nested FSDP unit inside a block (MoE experts with ep > 1)
-# marks its post-forward again during the recomputation. They compute nothing, so SAC may ignore them like the
-# `detach` it already ignores (torch.utils.checkpoint.SAC_IGNORED_OPS).
-_utils_checkpoint.SAC_IGNORED_OPS.update(
+_MARKERS = frozenset(
     getattr(packet, overload)
     for name in ("_record_function_enter", "_record_function_enter_new", "_record_function_exit")
     if (packet := getattr(torch.ops.profiler, name, None)) is not None
@@ -87,12 +112,64 @@ _utils_checkpoint.SAC_IGNORED_OPS.update(
 )
 
 
+@contextlib.contextmanager
+def _ignoring_markers() -> Iterator[None]:
+    """SAC ignores the profiler markers while the block runs; torch's set is restored as it was."""
+    added = _MARKERS - _utils_checkpoint.SAC_IGNORED_OPS
+    _utils_checkpoint.SAC_IGNORED_OPS.update(added)
+    try:
+        yield
+    finally:
+        _utils_checkpoint.SAC_IGNORED_OPS.difference_update(added)
+
+
+class _HostMemo:
+    """Values computed once in a checkpointed block's forward and handed back, in order, to its recomputations."""
+
+    def __init__(self) -> None:
+        self.values: list[Any] = []
+        self.calls = 0
+        self.pos = 0
+
+    def once(self, compute: Callable[[], T_]) -> T_:
+        if self.calls == 1:  # the forward: run, hidden from SAC so that the recomputation may skip it
+            with _disable_current_modes():
+                value = compute()
+            self.values.append(value)
+            return value
+        value, self.pos = self.values[self.pos], self.pos + 1
+        return value
+
+
+_MEMO: contextvars.ContextVar[_HostMemo | None] = contextvars.ContextVar("curry_recompute_memo", default=None)
+
+
+def host_once(compute: Callable[[], T_]) -> T_:
+    """`compute()` (a host read, a metadata collective) run once per checkpointed block forward; the block's
+    recomputation gets the forward's value without running it again. Outside a checkpointed block: `compute()`.
+    Its ops are hidden from dispatch modes in the forward (SAC counts invocations per op, so an op the
+    recomputation skips must never have been counted) and it must not compute anything autograd needs."""
+    memo = _MEMO.get()
+    return compute() if memo is None else memo.once(compute)
+
+
 def checkpointed(forward: Callable, mode: str) -> Callable:
-    """`forward` rerun in backward: all of it (`full`) or all but the SAVE_OPS outputs (`selective`)."""
+    """`forward` rerun in backward: all of it (`full`) or all but the policy's saved outputs (`selective`)."""
     extra = {"context_fn": _selective_context} if mode == "selective" else {}
 
     def run(*args: Any, **kwargs: Any) -> Any:
-        return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=False, **extra, **kwargs)
+        memo = _HostMemo()
+
+        def body(*a: Any, **k: Any) -> Any:
+            memo.calls, memo.pos = memo.calls + 1, 0  # call 1 = the forward, later calls = recomputations
+            token = _MEMO.set(memo)
+            try:
+                with _ignoring_markers() if mode == "selective" else contextlib.nullcontext():
+                    return forward(*a, **k)
+            finally:
+                _MEMO.reset(token)
+
+        return checkpoint(body, *args, use_reentrant=False, preserve_rng_state=False, **extra, **kwargs)
 
     return run
 
