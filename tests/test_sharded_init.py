@@ -14,10 +14,10 @@ from curry_train.config import load_config
 from curry_train.estimator import GiB, estimate, estimate_memory
 from curry_train.model.gpt import build_model
 from curry_train.train.launch import launch_forkserver
-from curry_train.validation.whitebox import whitebox_batch
 
 from tests.conftest import PRESETS
 from tests.test_train_essentials import LAYOUTS as CLIPPED_LAYOUTS
+from tests.whitebox_pool import whitebox_batch
 
 TINY = PRESETS / "tiny.yaml"
 TINY_MOE = PRESETS / "tiny-moe.yaml"
