@@ -145,16 +145,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.slow)
         if not names & FORKSERVER:
             cold.add(id(item))  # if it launches: lane 2 (_in_lanes)
-    items[:] = _in_lanes(config, items, cold)
+    items[:] = _in_lanes(items, cold)
 
 
-def _in_lanes(config: pytest.Config, items: list[pytest.Item], cold: set[int]) -> list[pytest.Item]:
+def _in_lanes(items: list[pytest.Item], cold: set[int]) -> list[pytest.Item]:
     """The run order: two lanes of launching tests, each filling one pytest-xdist worker's first batch, then the
     other tests, slow ones first.
 
     One lane of ranks at a time on 2 cores beat ranks on every worker (409 s and 602 CPU-s against 425 s and 835
     CPU-s with --dist=worksteal: oversubscribed ranks cost 40% more CPU), but one lane holding every launching test
-    grew to the whole suite's length while the other two workers sat idle (one worker ran all 74 for ~10 minutes).
+    grew to the whole suite's length while the other two workers sat idle (a full run's durations: the 74
+    launching tests, all on one worker, summed to 937 s, the other 1,060 tests to about 260 s).
     So: lane 1, the tests whose ranks fork from this process's forkserver pool (torch preloaded once;
     tests/whitebox_pool.py shares verdicts within it); lane 2, torchrun, the MCP worker and the fault tests, which
     mostly wait on cold process starts and deadlines. xdist's load scheduler (pytest-xdist 3.8, LoadScheduling)
