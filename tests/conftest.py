@@ -87,6 +87,7 @@ LAUNCHERS = frozenset({
 })
 ARGV_LAUNCHERS = frozenset({"torchrun", "torch.distributed.run"})
 SUBPROCESS = frozenset({"subprocess", "Popen", "stdio_client", "StdioServerParameters", "open_process", "RawServer"})
+FORKSERVER = frozenset({"launch_forkserver", "whitebox_batch", "rank_jobs"})  # ranks forked from this process's pool
 
 
 def _code_names(code: Any, out: set[str]) -> None:
@@ -127,6 +128,7 @@ _TEST_MODULES: set[str] = set()
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     _TEST_MODULES.update(m for m, mod in sys.modules.items()
                          if str(getattr(mod, "__file__", "") or "").startswith(str(REPO / "tests")))
+    cold: set[int] = set()
     for item in items:
         fn = getattr(item, "function", None)
         if fn is None:
@@ -141,11 +143,42 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.multirank)
         if names & SUBPROCESS and not item.get_closest_marker("slow"):
             item.add_marker(pytest.mark.slow)
-    # Launching tests first, in a stable order. pytest-xdist's default scheduler hands each worker a run of
-    # consecutive tests, so the rank-launching ones mostly share one worker while the others take the single-process
-    # tests: on 2 cores that is faster than launching ranks on every worker at once (measured: 409 s and 602 CPU-s
-    # against 425 s and 835 CPU-s with --dist=worksteal, whose oversubscribed ranks cost 40% more CPU).
-    items.sort(key=lambda it: (not it.get_closest_marker("multirank"), not it.get_closest_marker("slow")))
+        if not names & FORKSERVER:
+            cold.add(id(item))  # if it launches: lane 2 (_in_lanes)
+    items[:] = _in_lanes(items, cold)
+
+
+def _in_lanes(items: list[pytest.Item], cold: set[int]) -> list[pytest.Item]:
+    """The run order: two lanes of launching tests, each filling one pytest-xdist worker's first batch, then the
+    other tests, slow ones first.
+
+    One lane of ranks at a time on 2 cores beat ranks on every worker (409 s and 602 CPU-s against 425 s and 835
+    CPU-s with --dist=worksteal: oversubscribed ranks cost 40% more CPU), but one lane holding every launching test
+    grew to the whole suite's length while the other two workers sat idle (a full run's durations: the 74
+    launching tests, all on one worker, summed to 937 s, the other 1,060 tests to about 260 s).
+    So: lane 1, the tests whose ranks fork from this process's forkserver pool (torch preloaded once;
+    tests/whitebox_pool.py shares verdicts within it); lane 2, torchrun, the MCP worker and the fault tests, which
+    mostly wait on cold process starts and deadlines. xdist's load scheduler (pytest-xdist 3.8, LoadScheduling)
+    hands worker k the k-th batch of len(items) // workers // 4 consecutive tests and the rest one by one to
+    whichever worker runs short, so each lane is padded with quick tests to one batch. (--dist=loadgroup would
+    say this by marks, but pytest 9 ignores the node id it rewrites.) Without xdist, or when a lane outgrows a
+    batch, the order is still launching tests first, which only changes how they spread."""
+    ranks = [it for it in items if it.get_closest_marker("multirank")]
+    rest = sorted((it for it in items if not it.get_closest_marker("multirank")),
+                  key=lambda it: not it.get_closest_marker("slow"))  # stable: slow first
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))  # set in each xdist worker, which collects
+    lanes = [[it for it in ranks if id(it) not in cold], [it for it in ranks if id(it) in cold]]
+    batch = max(2, len(items) // workers // 4) if workers >= 2 else 0
+    if batch < max(map(len, lanes)):
+        return ranks + rest
+    quick = [it for it in rest if not it.get_closest_marker("slow")]  # the pads come from its end
+    n0, n1 = batch - len(lanes[0]), batch - len(lanes[1])
+    if len(quick) < n0 + n1:
+        return ranks + rest
+    end = len(quick)
+    pads = [quick[end - n0:end], quick[end - n0 - n1:end - n0]]
+    padded = {id(it) for pad in pads for it in pad}
+    return [*lanes[0], *pads[0], *lanes[1], *pads[1], *(it for it in rest if id(it) not in padded)]
 
 
 class UnmarkedLaunch(RuntimeError):

@@ -7,9 +7,9 @@ import pytest
 import torch
 from curry_train.config import from_dict, load_config, loss_chunk_count
 from curry_train.model.gpt import build_model, lm_loss
-from curry_train.validation.whitebox import whitebox_batch
 
 from tests.conftest import PRESETS
+from tests.whitebox_pool import whitebox_batch
 
 TINY = PRESETS / "tiny.yaml"
 

@@ -6,9 +6,9 @@ import pytest
 from curry_train.config import ConfigError, load_config
 from curry_train.estimator import estimate
 from curry_train.train.launch import launch_forkserver
-from curry_train.validation.whitebox import whitebox_batch
 
 from tests.conftest import PRESETS
+from tests.whitebox_pool import whitebox_batch
 
 TINY = PRESETS / "tiny.yaml"
 HSDP = {"parallel.dp": 4, "parallel.dp_replicate": 2}

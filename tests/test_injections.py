@@ -14,9 +14,9 @@ from curry_train.cli import main
 from curry_train.config import load_config
 from curry_train.validation.compare import module_of
 from curry_train.validation.inject import CATALOGUE, listing
-from curry_train.validation.whitebox import whitebox_batch
 
 from tests.conftest import PRESETS
+from tests.whitebox_pool import whitebox_batch
 
 # First diverging module each bug must be localised to (the earliest failing step's earliest failing tensor).
 FIRST_LAYER = {"ddp-unreduced-grad": "layers.2", "tp-sp-norm-unreduced": "layers.0", "ep-expert-unreduced": "layers.0",

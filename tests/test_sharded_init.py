@@ -14,9 +14,10 @@ from curry_train.config import load_config
 from curry_train.estimator import GiB, estimate, estimate_memory
 from curry_train.model.gpt import build_model
 from curry_train.train.launch import launch_forkserver
-from curry_train.validation.whitebox import whitebox_batch
 
 from tests.conftest import PRESETS
+from tests.test_train_essentials import LAYOUTS as CLIPPED_LAYOUTS
+from tests.whitebox_pool import whitebox_batch
 
 TINY = PRESETS / "tiny.yaml"
 TINY_MOE = PRESETS / "tiny-moe.yaml"
@@ -70,18 +71,24 @@ def test_single_process_init_is_the_reference_model():
     assert m["init_peak_bytes"] <= full + largest + 2 * ref.rope_cos.numel() * F32
 
 
+SHARDINGS = [  # layouts whose shards are cut differently
+    BIG,  # FSDP Shard(0) on the big model
+    {"parallel.dp": 2, "parallel.tp": 2, "parallel.zero": 3},  # FSDP over TP (_StridedShard)
+    {"parallel.dp": 2, "parallel.pp": 2, "parallel.zero": 1},  # PP stages under DDP
+    {"parallel.tp": 2, "parallel.pp": 2, "parallel.sp": True},  # TP inside pipeline stages
+    {"config": TINY_MOE, "parallel.dp": 4, "parallel.ep": 2, "parallel.zero": 2},  # EP rows under FSDP
+    {"parallel.dp": 2, "parallel.cp": 2, "parallel.zero": 3},  # CP under FSDP
+]
+# The shardings test_train_essentials white-boxes already (its LAYOUTS: the same four ranks and shards, three
+# clipped steps, which prove the initial weights as two steps do) run there only: one launch of each per session.
+PROVEN_ELSEWHERE = [o for o in SHARDINGS if o in CLIPPED_LAYOUTS]
+
+
 @pytest.mark.multirank
 def test_every_sharding_materialises_the_reference_weights(tmp_path):
-    """White-box (two steps) of layouts whose shards are cut differently: FSDP Shard(0) on the big model, FSDP
-    over TP (_StridedShard), PP stages under DDP, TP inside pipeline stages, EP rows under FSDP, CP under FSDP."""
-    overrides = [
-        BIG,
-        {"parallel.dp": 2, "parallel.tp": 2, "parallel.zero": 3},
-        {"parallel.dp": 2, "parallel.pp": 2, "parallel.zero": 1},
-        {"parallel.tp": 2, "parallel.pp": 2, "parallel.sp": True},
-        {"config": TINY_MOE, "parallel.dp": 4, "parallel.ep": 2, "parallel.zero": 2},
-        {"parallel.dp": 2, "parallel.cp": 2, "parallel.zero": 3},
-    ]
+    """White-box (two steps) of every sharding in SHARDINGS that the clip test does not white-box already."""
+    assert len(PROVEN_ELSEWHERE) == 4, PROVEN_ELSEWHERE  # a layout dropped there must come back here
+    overrides = [o for o in SHARDINGS if o not in PROVEN_ELSEWHERE]
     cfgs = [load_config(o.pop("config", TINY), o) for o in [dict(o) for o in overrides]]
     verdicts = whitebox_batch(cfgs, steps=2, out_dir=tmp_path, timeout=600)
     failed = {str(o): (v.failures[:3], v.worst_parameter) for o, v in zip(overrides, verdicts) if not v.passed}

@@ -8,9 +8,9 @@ import pytest
 import torch
 from curry_train.config import load_config
 from curry_train.train.optim import clip_grads_, global_grad_norm, lr_at
-from curry_train.validation.whitebox import whitebox_batch
 
 from tests.conftest import PRESETS
+from tests.whitebox_pool import whitebox_batch
 
 TINY = PRESETS / "tiny.yaml"
 TINY_MOE = PRESETS / "tiny-moe.yaml"

@@ -6,9 +6,10 @@ import pytest
 import torch
 from curry_train.config import load_config
 from curry_train.validation.compare import compare
-from curry_train.validation.whitebox import checksum, whitebox_batch
+from curry_train.validation.whitebox import checksum
 
 from tests.conftest import PRESETS
+from tests.whitebox_pool import whitebox_batch
 
 TINY = PRESETS / "tiny.yaml"
 

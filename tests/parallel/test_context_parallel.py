@@ -15,7 +15,8 @@ from curry_train.config import load_config
 from curry_train.model.data import cp_positions
 from curry_train.parallel.context_parallel import attention_work, plan_blocks
 from curry_train.train.launch import launch_forkserver
-from curry_train.validation.whitebox import whitebox_batch
+
+from tests.whitebox_pool import whitebox_batch
 
 pytestmark = pytest.mark.timeout(300)
 

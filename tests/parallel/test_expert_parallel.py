@@ -15,10 +15,10 @@ import pytest
 import torch
 from curry_train.config import load_config
 from curry_train.train.launch import launch_forkserver
-from curry_train.validation.whitebox import whitebox_batch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.conftest import PRESETS
+from tests.whitebox_pool import whitebox_batch
 
 pytestmark = pytest.mark.timeout(300)
 

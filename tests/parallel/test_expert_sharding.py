@@ -10,9 +10,9 @@ import pytest
 from curry_train.config import load_config
 from curry_train.estimator import _states, layout_of
 from curry_train.train.launch import launch_forkserver
-from curry_train.validation.whitebox import whitebox_batch
 
 from tests.conftest import PRESETS
+from tests.whitebox_pool import whitebox_batch
 
 pytestmark = pytest.mark.timeout(600)
 MOE = PRESETS / "tiny-moe.yaml"

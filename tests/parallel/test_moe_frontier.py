@@ -16,9 +16,9 @@ from curry_train.estimator import estimate
 from curry_train.model.gpt import FeedForward, build_model, count_params
 from curry_train.model.moe import MoE, group_limited
 from curry_train.pipeline_split import split_costs, split_for, split_layers
-from curry_train.validation.whitebox import whitebox_batch
 
 from tests.conftest import PRESETS
+from tests.whitebox_pool import whitebox_batch
 
 pytestmark = pytest.mark.timeout(600)
 MOE = PRESETS / "tiny-moe.yaml"

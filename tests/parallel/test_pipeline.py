@@ -7,9 +7,9 @@ import pytest
 from curry_train.config import ConfigError, load_config
 from curry_train.model.gpt import build_model
 from curry_train.parallel.pipeline import build_stage_module, schedule_name, stage_ids, stage_layers
-from curry_train.validation.whitebox import whitebox_batch
 
 from tests.conftest import PRESETS
+from tests.whitebox_pool import whitebox_batch
 
 TINY = PRESETS / "tiny.yaml"
 

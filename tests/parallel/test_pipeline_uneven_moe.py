@@ -12,9 +12,9 @@ from curry_train.config import load_config
 from curry_train.model.gpt import build_model
 from curry_train.parallel.pipeline import build_stage_module, stage_layers
 from curry_train.pipeline_split import split_layers, stage_costs
-from curry_train.validation.whitebox import whitebox_batch
 
 from tests.conftest import PRESETS
+from tests.whitebox_pool import whitebox_batch
 
 pytestmark = pytest.mark.timeout(600)
 TINY, MOE = PRESETS / "tiny.yaml", PRESETS / "tiny-moe.yaml"

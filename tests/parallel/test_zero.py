@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import pytest
 from curry_train.config import load_config
-from curry_train.validation.whitebox import whitebox_batch
 
 from tests.conftest import PRESETS
+from tests.whitebox_pool import whitebox_batch
 
 TINY = PRESETS / "tiny.yaml"
 TINY_MOE = PRESETS / "tiny-moe.yaml"

@@ -1,0 +1,43 @@
+"""The suite's run order (tests/conftest.py, _in_lanes): under xdist each lane of launching tests fills one worker's
+first batch (len(items) // workers // 4 consecutive tests), padded with quick tests; without xdist, or when a lane
+outgrows a batch, the launching tests simply come first. Fake items: only their marks matter."""
+
+from __future__ import annotations
+
+from tests.conftest import _in_lanes
+
+
+class Item:
+    def __init__(self, name: str, *marks: str) -> None:
+        self.name, self.marks = name, set(marks)
+
+    def get_closest_marker(self, mark: str) -> object | None:
+        return mark if mark in self.marks else None
+
+
+def _suite(n_fork: int, n_cold: int, n_slow: int, n_quick: int) -> tuple[list[Item], set[int]]:
+    quick = [Item(f"q{i}") for i in range(n_quick)]
+    slow = [Item(f"s{i}", "slow") for i in range(n_slow)]
+    fork = [Item(f"f{i}", "multirank") for i in range(n_fork)]
+    cold = [Item(f"c{i}", "multirank", "slow") for i in range(n_cold)]
+    return [*quick, *cold, *slow, *fork], {id(it) for it in cold}
+
+
+def test_each_lane_fills_one_workers_first_batch(monkeypatch):
+    items, cold = _suite(4, 3, 5, 60)  # 72 tests, 3 workers: batches of 6
+    monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "3")
+    order = [it.name for it in _in_lanes(items, cold)]
+    assert sorted(order) == sorted(it.name for it in items)
+    assert order[:6] == ["f0", "f1", "f2", "f3", "q58", "q59"]  # worker 1: the forkserver lane, quick pads
+    assert order[6:12] == ["c0", "c1", "c2", "q55", "q56", "q57"]  # worker 2: the cold lane
+    assert order[12:17] == [f"s{i}" for i in range(5)]  # then slow first, to whichever worker runs short
+
+
+def test_without_xdist_or_with_a_lane_too_long_launching_tests_come_first(monkeypatch):
+    items, cold = _suite(4, 3, 5, 60)
+    monkeypatch.delenv("PYTEST_XDIST_WORKER_COUNT", raising=False)
+    first = [it.name for it in _in_lanes(items, cold)][:12]
+    assert first == ["c0", "c1", "c2", "f0", "f1", "f2", "f3", "s0", "s1", "s2", "s3", "s4"]
+    monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "3")
+    items, cold = _suite(9, 3, 5, 60)  # 77 tests: batches of 6, and 9 forkserver tests do not fit in one
+    assert [it.name for it in _in_lanes(items, cold)][:3] == ["c0", "c1", "c2"]
