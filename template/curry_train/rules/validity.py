@@ -189,7 +189,7 @@ def check(cfg: Config) -> list[Problem]:
 def compile_blockers(cfg: Config) -> list[tuple[list[str], str]]:
     """The layouts train.compile cannot run on, as (fields, why): `check` refuses compile=true there and
     parallel/compile.py's auto leaves them eager. Measured with the white-box on CPU, torch 2.13 (inductor, gcc 12):
-    dp, ZeRO-3, cp, pp and recompute compile and match the reference; TP does not."""
+    dp, ZeRO-1/3, cp, pp, ep and recompute compile and match the reference; TP does not."""
     out = []
     if cfg.parallel.tp > 1:
         out.append((["parallel.tp"], "the tensor-parallel plan's DTensor hooks run inside the compiled block, whose "
