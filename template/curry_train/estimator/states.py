@@ -86,7 +86,7 @@ def _states_cached(layout: Layout, stages: tuple[int, ...]) -> _States:
         return _States(params=4 * stored, grads_full=4 * stored, opt=8 * stored +
                        step_bytes * n_tensors, ddp_buckets=0, unit_max=cbytes * unit, root_unit=cbytes * root_sz,
                        all_units=cbytes * (n_blocks * unit + root_sz), rs_buffer=4 * unit,
-                       step_transient=_step_transient(4 * stored), n_local=n_local,
+                       step_transient=_step_transient(layout, 4 * largest, 4 * stored), n_local=n_local,
                        n_stored=stored, largest_tensor=largest, root_stored=root_shard, chunk_units=chunks)
     if shards_optimizer_only(layout.dp, layout.cp, layout.zero, layout.tp):  # ZeRO-1 (wrapping.py)
         every = blk * n_blocks + root
@@ -109,14 +109,11 @@ def _states_cached(layout: Layout, stages: tuple[int, ...]) -> _States:
         grads += 4 * (layout.vocab_size - layout.vocab_size // layout.tp) * layout.d_model
     return _States(params=4 * n_local, grads_full=grads, opt=opt,
                    ddp_buckets=4 * ddp_params if layout.ddp else 0, unit_max=0, root_unit=0, all_units=0, rs_buffer=0,
-                   step_transient=_step_transient(owned_bytes),
+                   step_transient=_step_transient(layout, 4 * largest, owned_bytes),
                    n_local=n_local, n_stored=n_local, largest_tensor=largest)
 
 
-def _step_transient(owned_bytes: int) -> int:
-    """AdamW step temporaries: the template's CPU AdamW runs foreach=True (train/optim.py adamw_kwargs), whose
-    `_foreach_sqrt(exp_avg_sqs)` materialises sqrt(v) for every owned tensor at once (+4 B/param; torch
-    optim/adam.py _multi_tensor_adam). On CUDA it runs fused=True, which needs none; the foreach figure is kept
-    there as the upper bound (an overestimate of 4 B/param at the optimizer step only), so the GPU estimates
-    do not depend on the kernel choice."""
-    return owned_bytes
+def _step_transient(layout: Layout, largest_bytes: int, owned_bytes: int) -> int:
+    """AdamW step temporaries: the CPU default (foreach=False) makes sqrt(v) and its quotient for one tensor at
+    a time; CUDA's foreach path materialises sqrt(v) for every owned tensor at once (+4 B/param)."""
+    return 2 * largest_bytes if layout.device == "cpu" else owned_bytes

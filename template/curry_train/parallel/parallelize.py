@@ -144,7 +144,7 @@ def parallelize(model: nn.Module, mesh: Any, cfg: Config, *, topo: Topology, dev
     else:
         from curry_train.train.optim import adamw_kwargs
 
-        par.optimizer = torch.optim.AdamW(params, **adamw_kwargs(params, cfg))  # fused on CUDA, foreach on CPU
+        par.optimizer = torch.optim.AdamW(params, **adamw_kwargs(params, cfg))  # fused on CUDA where it can
 
     # 7. PP schedule around the wrapped stages.
     if topo.pp > 1:

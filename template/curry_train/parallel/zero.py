@@ -34,5 +34,5 @@ def build_zero1_optimizer(params: Iterable[torch.Tensor], mesh: Any, cfg: Config
         optimizer_class=torch.optim.AdamW,
         process_group=dp_cp_mesh(mesh).get_group(),
         parameters_as_bucket_view=False,  # per-parameter broadcasts: no persistent flat copy of the params
-        **adamw_kwargs(params, cfg),  # its local shard's AdamW: fused on CUDA, foreach on CPU (train/optim.py)
+        **adamw_kwargs(params, cfg),  # its local shard's AdamW: fused on CUDA (train/optim.py)
     )

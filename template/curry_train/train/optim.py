@@ -28,8 +28,13 @@ sum of squares by fp32 rounding only. One all-reduce per group kind, not per ten
 
 Optimizer (`adamw_kwargs`, the one home of AdamW's arguments: plain AdamW, FSDP's, ZeRO-1's local shard and the
 white-box reference): fused=True (one CUDA kernel for the whole update, torch.optim.AdamW "fused") when every
-parameter is a floating CUDA tensor, else foreach=True (multi-tensor ops; torch defaults to the per-tensor loop
-on CPU). Both compute AdamW's update (Loshchilov & Hutter 2019, Algorithm 2) elementwise in the parameter dtype.
+parameter is a floating CUDA tensor of one kind (all plain tensors, or all DTensors on one mesh); otherwise the
+per-tensor loop (foreach=False). Both multi-tensor paths (fused and foreach) refuse a parameter list that mixes
+plain tensors and DTensors, or DTensors of two meshes ("got mixed torch.Tensor and DTensor"): TP leaves
+replicated parameters plain beside its sharded ones, EP's expert shards live on their own mesh. On CPU the loop
+is also torch's default and what the estimator's CPU tracker is calibrated on (estimator/states.py
+_step_transient: sqrt(v) for one tensor at a time, where foreach would hold it for every tensor at once).
+All compute AdamW's update (Loshchilov & Hutter 2019, Algorithm 2) elementwise in the parameter dtype.
 """
 
 from __future__ import annotations
@@ -72,8 +77,9 @@ def _reduce_partial(g: torch.Tensor) -> torch.Tensor:
 
 def adamw_kwargs(params: list[torch.Tensor], cfg: Config) -> dict[str, Any]:
     """torch.optim.AdamW's keyword arguments for `params` (docstring, "Optimizer")."""
-    fused = bool(params) and all(p.device.type == "cuda" and p.dtype.is_floating_point for p in params)
-    return {"lr": cfg.train.lr, "weight_decay": cfg.train.weight_decay, ("fused" if fused else "foreach"): True}
+    kinds = {getattr(p, "device_mesh", None) for p in params}  # None: plain; a DeviceMesh hashes by its ranks
+    fused = len(kinds) == 1 and all(p.device.type == "cuda" and p.dtype.is_floating_point for p in params)
+    return {"lr": cfg.train.lr, "weight_decay": cfg.train.weight_decay, "fused": fused, "foreach": False}
 
 
 def global_grad_norm(parts: list[nn.Module], cfg: Config, mesh: Any) -> torch.Tensor:
