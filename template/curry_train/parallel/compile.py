@@ -14,15 +14,16 @@ reduce-scatter hooks stay eager, outside the graph, and parameter names do not c
 
 MoE blocks: only their dense parts are compiled (attention_norm, attention, ffn_norm). The MoE layer reads its
 routing counts back to the host (`moe.MoE._run_experts`: the all-to-all's split sizes are Python ints) and keeps
-host-side counters: compiled whole, dynamo graph-breaks there, and with
-`torch._dynamo.config.capture_scalar_outputs = True` the data-dependent row counts become unbacked symbols that
-every later shape depends on. Measured on torch 2.13 CPU (tiny-moe, whole block): 13 graphs, a recompile per
-host counter value, until the recompile limit dropped the blocks back to eager; the dense parts compile to one
-graph each.
+host-side counters: compiled whole, dynamo graph-breaks there (`aten._local_scalar_dense`). Measured on torch
+2.13 CPU (tiny-moe, whole block, default dynamo config): 13 graphs and a recompile per value of the host counter
+until the recompile limit sent the blocks back to eager. `capture_scalar_outputs = True` would trace through the
+read instead, at the price of unbacked symbolic row counts in every later shape (not tried here). The dense parts
+alone compile and match the reference (tests/parallel/test_compile.py; tiny-moe 1 rank and dp2 ep2 measured).
 
-Resolution of `train.compile` (`compile_enabled`): auto = on for CUDA, off for CPU. On CPU inductor generates
-C++ (it needs a C++ compiler at run time) and the first compile of the tiny model takes seconds (tens of seconds
-on a loaded 2-core machine); the CPU tracker the estimator is calibrated on runs the eager kernels
+Resolution of `train.compile` (`compile_enabled`): auto = on for CUDA, off for CPU, and off on the layouts that
+`rules.compile_blockers` names (TP), which `train.compile=true` is refused on before any process starts. On CPU
+inductor generates C++ (it needs a C++ compiler at run time) and the first compile of the tiny model takes seconds
+(tens of seconds on a loaded 2-core machine); the CPU tracker the estimator is calibrated on runs the eager kernels
 (docs/ESTIMATION.md), so the CPU default stays eager and `train.compile=true` opts in.
 """
 
