@@ -5,7 +5,10 @@
 Both sides run the identical model (build_model), batch (global_batch) and AdamW; the only difference is the
 template's machinery (Parallelized, grad_sync hooks, autocast/loss contexts, micro-batch generator). Rounds
 alternate A/B so drift on a noisy machine hits both equally; the ratio is template/handwritten throughput per
-round, reported as the median. Goal: >= 0.97. Final line: one JSON object.
+round, reported as the median. Goal: >= 0.97. Then the same with train.compile=true (parallel/compile.py, each
+block torch.compile'd; compiled once in a warm-up round, not timed): `compiled_ratio`, the compiled template's
+throughput over the same eager handwritten loop (no goal on CPU, where the default stays eager: it shows what
+inductor's C++ kernels give on this machine). Final line: one JSON object.
 """
 
 from __future__ import annotations
@@ -52,24 +55,36 @@ def main() -> None:
     ap.add_argument("--set", action="append", default=["model.d_model=256", "model.d_ff=512", "train.seq_len=256"])
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--compile-rounds", type=int, default=3)
     a = ap.parse_args()
     cfg = load_config(resolve_config_arg(a.config), parse_sets(a.set))
     torch.set_num_threads(1)  # one core each side, no interference from the OpenMP pool sizing
     template(cfg, 2, 0), handwritten(cfg, 2, 0)  # warm-up (allocator, first-call costs)
-    ratios, t_tpl, t_hand = [], [], []
     tokens = cfg.train.global_batch * cfg.train.seq_len * a.steps
-    for r in range(a.rounds):
+    ratio, t_tpl, t_hand = rounds(cfg, a.rounds, a.steps, tokens, "")
+    compiled = load_config(resolve_config_arg(a.config), {**parse_sets(a.set), "train.compile": True})
+    template(compiled, 2, 0)  # warm-up: torch.compile traces and inductor builds the block's kernels once
+    c_ratio, t_comp, _ = rounds(compiled, a.compile_rounds, a.steps, tokens, "compiled ")
+    print(json.dumps({"throughput_ratio": round(ratio, 4),
+                      "template_tokens_per_s": round(tokens / t_tpl, 1),
+                      "handwritten_tokens_per_s": round(tokens / t_hand, 1),
+                      "compiled_ratio": round(c_ratio, 4), "compiled_tokens_per_s": round(tokens / t_comp, 1),
+                      "rounds": a.rounds, "compile_rounds": a.compile_rounds, "steps_per_round": a.steps,
+                      "overrides": a.set, "goal": 0.97}))
+
+
+def rounds(cfg, n: int, steps: int, tokens: int, label: str) -> tuple[float, float, float]:
+    """n alternating A/B rounds -> (median throughput ratio template / handwritten, median times of each)."""
+    ratios, t_tpl, t_hand = [], [], []
+    for r in range(n):
         order = (template, handwritten) if r % 2 == 0 else (handwritten, template)
-        times = {fn.__name__: fn(cfg, a.steps, 2) for fn in order}
+        times = {fn.__name__: fn(cfg, steps, 2) for fn in order}
         t_tpl.append(times["template"])
         t_hand.append(times["handwritten"])
         ratios.append(times["handwritten"] / times["template"])  # throughput ratio template / handwritten
-        print(f"round {r}: template {tokens / times['template']:.0f} tok/s, "
+        print(f"round {r}: {label}template {tokens / times['template']:.0f} tok/s, "
               f"handwritten {tokens / times['handwritten']:.0f} tok/s, ratio {ratios[-1]:.3f}", flush=True)
-    print(json.dumps({"throughput_ratio": round(statistics.median(ratios), 4),
-                      "template_tokens_per_s": round(tokens / statistics.median(t_tpl), 1),
-                      "handwritten_tokens_per_s": round(tokens / statistics.median(t_hand), 1),
-                      "rounds": a.rounds, "steps_per_round": a.steps, "overrides": a.set, "goal": 0.97}))
+    return statistics.median(ratios), statistics.median(t_tpl), statistics.median(t_hand)
 
 
 if __name__ == "__main__":

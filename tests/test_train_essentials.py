@@ -45,6 +45,35 @@ def test_clip_matches_torch_in_one_process():
     assert float(global_grad_norm([a], cfg, None)) == pytest.approx(0.05, rel=1e-4)
 
 
+def test_the_norm_is_one_foreach_kernel_per_group_and_adamw_is_fused_only_on_cuda(monkeypatch):
+    """The global norm is torch._foreach_norm over each reduction group's gradients (one call for a single
+    process: one group), equal to the float64 sum of squares within fp32 rounding; AdamW takes fused=True only
+    when every parameter is a floating CUDA tensor of one kind (plain, or DTensors of one mesh), else the loop."""
+    from types import SimpleNamespace
+
+    from curry_train.model.data import global_batch
+    from curry_train.model.gpt import build_model, lm_loss
+    from curry_train.train.optim import adamw_kwargs
+
+    cfg = load_config(TINY)
+    model = build_model(cfg)
+    x, y = global_batch(cfg, 0)
+    lm_loss(model(x), y).backward()
+    calls, real = [], torch._foreach_norm
+    monkeypatch.setattr(torch, "_foreach_norm", lambda ts, *a: calls.append(len(ts)) or real(ts, *a))
+    norm = float(global_grad_norm([model], cfg, None))
+    exact = float(torch.sqrt(sum((p.grad.double() ** 2).sum() for p in model.parameters())))
+    assert calls == [39] and norm == pytest.approx(exact, rel=1e-6)
+    cpu = list(model.parameters())
+    loop = {"lr": cfg.train.lr, "weight_decay": cfg.train.weight_decay, "fused": False, "foreach": False}
+    assert adamw_kwargs(cpu, cfg) == loop
+    cuda = [SimpleNamespace(device=torch.device("cuda"), dtype=dt) for dt in (torch.float32, torch.bfloat16)]
+    assert adamw_kwargs(cuda, cfg) == {**loop, "fused": True}
+    assert adamw_kwargs([*cuda, cpu[0]], cfg) == loop  # one CPU parameter: no fused kernel for the set
+    sharded = SimpleNamespace(device=torch.device("cuda"), dtype=torch.float32, device_mesh=object())
+    assert adamw_kwargs([*cuda, sharded], cfg) == loop  # plain beside DTensor (TP's norms): multi-tensor refuses
+
+
 LAYOUTS = [
     {"parallel.dp": 4, "parallel.zero": 1},
     {"parallel.dp": 2, "parallel.tp": 2, "parallel.zero": 3},

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from curry_train.moe_blocks import dense_width, is_moe_block, shared_width  # noqa: F401  (re-exported)
 from curry_train.rules import Problem, check  # the one rule set; re-exported here for callers of config.check
@@ -79,6 +79,18 @@ class TrainConfig(_Section):
     loss_chunks: int = Field(
         0, ge=0, description="Token chunks of the LM head + cross entropy (only one chunk's fp32 logits live at a "
                              "time); 0 = auto, ceil(vocab_size / d_model); 1 = unchunked.")
+    compile: bool | Literal["auto"] = Field(
+        "auto", description="torch.compile each transformer block (parallel/compile.py): true, false, or auto "
+                            "(true on CUDA, false on CPU, where inductor needs a C++ compiler).")
+
+    @field_validator("compile", mode="before")
+    @classmethod
+    def _compile_choice(cls, v: Any) -> Any:
+        # before pydantic's bool coercion, which would take "yes", "on" or 1 for true
+        if v is True or v is False or v == "auto":
+            return v
+        raise ValueError(f"train.compile must be true, false or auto (auto = true on CUDA, false on CPU), "
+                         f"got {v!r}")
 
 
 class DataConfig(_Section):

@@ -7,6 +7,8 @@ Order (fixed; each constraint is explained where it applies, torchtitan-style):
   3. CP, EP        - swap the attention core for ring attention / shard experts and insert all-to-alls; they
                      change what a block computes, so they go before recompute wraps the block.
   4. recompute     - wraps whole blocks after TP/CP/EP so the recomputed region replays their collectives too.
+  4b. compile      - torch.compile per block (train.compile) after recompute, so the checkpoint is inside the
+                     graph, and before FSDP/DDP, whose hooks stay eager around it (parallel/compile.py).
   5. FSDP or DDP   - last module transform: it must see the final parameter set (ZeRO-2/3 = FSDP2, ZeRO-0/1 = DDP;
                      ZeRO-1 with TP = FSDP2 holding the step, wrapping.py)
                      over the dp x cp ranks (CP ranks see different tokens, so their grads are averaged like DP's).
@@ -48,6 +50,7 @@ class Parallelized:
     loss_parallel: bool = False  # logits are vocab-sharded DTensors: compute the loss under loss_parallel()
     grad_sync: Callable[[bool], None] = lambda enabled: None  # skip the gradient reduction on accumulation steps
     feed: Any = None  # train/feed.py Feed: this rank's micro-batches, prefetched (made by the first train_step)
+    compiled: bool = False  # the blocks run torch.compile'd (train.compile resolved, parallel/compile.py)
 
     def loss_context(self) -> AbstractContextManager:
         if self.loss_parallel:
@@ -114,6 +117,10 @@ def parallelize(model: nn.Module, mesh: Any, cfg: Config, *, topo: Topology, dev
             from curry_train.parallel.recompute import apply_recompute
 
             apply_recompute(part, mesh, cfg)
+        # 4b. torch.compile per block.
+        from curry_train.parallel.compile import apply_compile
+
+        par.compiled = apply_compile(part, mesh, cfg)
         # 5. data parallel over dp x cp; the local shards are materialised after FSDP or before DDP.
         wrapper = data_parallel_wrapper(topo.dp, topo.cp, p.zero, topo.tp)  # wrapping.py: the one home of this rule
         if wrapper == "fsdp":
@@ -136,7 +143,9 @@ def parallelize(model: nn.Module, mesh: Any, cfg: Config, *, topo: Topology, dev
 
         par.optimizer = build_zero1_optimizer(params, mesh, cfg)
     else:
-        par.optimizer = torch.optim.AdamW(params, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
+        from curry_train.train.optim import adamw_kwargs
+
+        par.optimizer = torch.optim.AdamW(params, **adamw_kwargs(params, cfg))  # fused on CUDA where it can
 
     # 7. PP schedule around the wrapped stages.
     if topo.pp > 1:

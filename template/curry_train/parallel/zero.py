@@ -26,11 +26,13 @@ from curry_train.mesh import dp_cp_mesh
 
 def build_zero1_optimizer(params: Iterable[torch.Tensor], mesh: Any, cfg: Config) -> ZeroRedundancyOptimizer:
     """AdamW whose state is partitioned over the dp x cp group of `mesh` (every rank must call this)."""
+    from curry_train.train.optim import adamw_kwargs
+
+    params = list(params)
     return ZeroRedundancyOptimizer(
-        list(params),
+        params,
         optimizer_class=torch.optim.AdamW,
         process_group=dp_cp_mesh(mesh).get_group(),
         parameters_as_bucket_view=False,  # per-parameter broadcasts: no persistent flat copy of the params
-        lr=cfg.train.lr,
-        weight_decay=cfg.train.weight_decay,
+        **adamw_kwargs(params, cfg),  # its local shard's AdamW: fused on CUDA (train/optim.py)
     )

@@ -21,7 +21,20 @@ of training recurrent neural networks", §3.2). Each rank sums the squares of wh
       grad (sequence parallel's norm weights: pending sums) is reduced first;
   expert shards (EP > 1): their partial sum is all-reduced over the ep group too (each EP rank holds other experts);
   pipeline stages: the per-rank total is all-reduced over the pp group (each stage holds other layers).
-Sums are float64, grouped by their reduction groups: one all-reduce per group kind, not per tensor.
+Per reduction group (the same placements and mesh groups, the expert flag) one `torch._foreach_norm` over the
+local gradients (one multi-tensor kernel on CUDA, fp32 accumulation, no per-parameter fp64 copy); the per-tensor
+norms are squared and summed in float64 (a vector of one scalar per tensor), so the total differs from a float64
+sum of squares by fp32 rounding only. One all-reduce per group kind, not per tensor.
+
+Optimizer (`adamw_kwargs`, the one home of AdamW's arguments: plain AdamW, FSDP's, ZeRO-1's local shard and the
+white-box reference): fused=True (one CUDA kernel for the whole update, torch.optim.AdamW "fused") when every
+parameter is a floating CUDA tensor of one kind (all plain tensors, or all DTensors on one mesh); otherwise the
+per-tensor loop (foreach=False). Both multi-tensor paths (fused and foreach) refuse a parameter list that mixes
+plain tensors and DTensors, or DTensors of two meshes ("got mixed torch.Tensor and DTensor"): TP leaves
+replicated parameters plain beside its sharded ones, EP's expert shards live on their own mesh. On CPU the loop
+is also torch's default and what the estimator's CPU tracker is calibrated on (estimator/states.py
+_step_transient: sqrt(v) for one tensor at a time, where foreach would hold it for every tensor at once).
+All compute AdamW's update (Loshchilov & Hutter 2019, Algorithm 2) elementwise in the parameter dtype.
 """
 
 from __future__ import annotations
@@ -62,9 +75,16 @@ def _reduce_partial(g: torch.Tensor) -> torch.Tensor:
     return g.redistribute(g.device_mesh, [Replicate() if pl.is_partial() else pl for pl in g.placements])
 
 
+def adamw_kwargs(params: list[torch.Tensor], cfg: Config) -> dict[str, Any]:
+    """torch.optim.AdamW's keyword arguments for `params` (docstring, "Optimizer")."""
+    kinds = {getattr(p, "device_mesh", None) for p in params}  # None: plain; a DeviceMesh hashes by its ranks
+    fused = len(kinds) == 1 and all(p.device.type == "cuda" and p.dtype.is_floating_point for p in params)
+    return {"lr": cfg.train.lr, "weight_decay": cfg.train.weight_decay, "fused": fused, "foreach": False}
+
+
 def global_grad_norm(parts: list[nn.Module], cfg: Config, mesh: Any) -> torch.Tensor:
     """L2 norm of the whole model's gradient (float64 scalar, identical on every rank). Every rank must call it."""
-    sums: dict[tuple, torch.Tensor] = {}
+    grads: dict[tuple, list[torch.Tensor]] = {}
     device = None
     ep = cfg.parallel.ep if mesh is not None else 1
     for part in parts:
@@ -79,11 +99,10 @@ def global_grad_norm(parts: list[nn.Module], cfg: Config, mesh: Any) -> torch.Te
             device = local.device
             groups = _sharded_groups(g) if is_dt else ()
             expert = bool(getattr(p, "_curry_expert", False)) and ep > 1
-            key = (groups, expert)
-            sums[key] = sums.get(key, torch.zeros((), dtype=torch.float64, device=device)) + \
-                local.detach().double().pow(2).sum()
+            grads.setdefault((groups, expert), []).append(local.detach())
     total = torch.zeros((), dtype=torch.float64, device=device or "cpu")
-    for (groups, expert), s in sums.items():
+    for (groups, expert), tensors in grads.items():
+        s = torch.stack(torch._foreach_norm(tensors, 2)).double().pow(2).sum()  # [n tensors] fp32 norms -> scalar
         for group in groups:
             if dist.get_world_size(group) > 1:
                 dist.all_reduce(s, group=group)

@@ -281,12 +281,15 @@ class _Checker:
         return (best[1] if best else None), None, None
 
 
-def bf16_cast_exact(cfg: Config) -> bool:
+def bf16_cast_exact(cfg: Config, compiled: bool = False) -> bool:
     """A bf16 layout whose every bf16 operation has the shape the reference's has (docstring, "bfloat16"): the
     batch is split only at micro-batch boundaries (dp, ZeRO/FSDP, HSDP, pp, recompute), never a matmul's inner
-    or token dimension (tp, cp, ep)."""
+    or token dimension (tp, cp, ep), and eager: inductor fuses elementwise chains (RMSNorm, RoPE, SiLU * up)
+    and keeps their intermediates in fp32 (torch._inductor.config.emulate_precision_casts is off), so a
+    compiled block rounds to bf16 fewer times than the eager reference, the same class of difference as tp's
+    other partial sums (measured, tiny 1 rank compiled: gradients 0.58% relative L2, 12% of BF16's bound)."""
     p = cfg.parallel
-    return p.tp == 1 and p.cp == 1 and p.ep == 1
+    return p.tp == 1 and p.cp == 1 and p.ep == 1 and not compiled
 
 
 def _norm(grads: dict[str, torch.Tensor]) -> float:
@@ -296,7 +299,7 @@ def _norm(grads: dict[str, torch.Tensor]) -> float:
 def compare(cfg: Config, ref: dict[str, Any], par: dict[str, Any], steps: int) -> Verdict:
     """Verdict of parallel results `par` (whitebox.parallel_job's file) against whitebox.reference's `ref`,
     re-synchronised to `par`'s weights (docstring, "re-sync")."""
-    bf16 = cfg.train.dtype == "bfloat16" and not bf16_cast_exact(cfg)  # else held to the fp32 bounds
+    bf16 = cfg.train.dtype == "bfloat16" and not bf16_cast_exact(cfg, bool(par.get("compiled")))  # else fp32
     tol = dict(BF16 if bf16 else FP32)
     c = _Checker(bf16, tol)
     losses_ref, losses_par = list(ref.get("losses") or []), list(par.get("losses") or [])

@@ -45,5 +45,7 @@ class Verdict(BaseModel):
                                           "boundary, the cosine floor) and the --steps that would cover the rest.")
     injection: str | None = Field(None, description="Planted bug (validation/inject.py) this run carried; the "
                                                     "verdict must then fail.")
+    compiled: bool = Field(False, description="The ranks ran torch.compile'd blocks (train.compile resolved on "
+                                              "their device); the reference is always eager.")
     run_id: str | None = None
     wall_s: float = 0.0

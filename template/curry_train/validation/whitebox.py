@@ -200,7 +200,7 @@ def parallel_job(spec: dict[str, Any]) -> dict[str, Any]:
         path = Path(spec["out_dir"]) / f"parallel_{spec.get('tag', 'run')}.pt"
         torch.save({"losses": losses, "grads": grads, "params": params, "replicas": replicas,
                     "holders": holders, "grad_replicas": grad_replicas, "acts": acts,
-                    "rank_scalars": rank_scalars, "fsdp_dtypes": dtypes}, path)
+                    "rank_scalars": rank_scalars, "fsdp_dtypes": dtypes, "compiled": par.compiled}, path)
     return {"losses": losses}
 
 
@@ -226,7 +226,7 @@ def reference(cfg: Config, steps: int, weights: list[dict[str, torch.Tensor] | N
     from curry_train.mesh import device_type
     from curry_train.model.data import global_batch
     from curry_train.model.gpt import build_model
-    from curry_train.train.optim import optimizer_step
+    from curry_train.train.optim import adamw_kwargs, optimizer_step
 
     dev = device_type(cfg)
     device = torch.device("cuda", 0) if dev == "cuda" else torch.device("cpu")
@@ -238,7 +238,8 @@ def reference(cfg: Config, steps: int, weights: list[dict[str, torch.Tensor] | N
         model = build_model(ref_cfg).to(device)
         probe, names = ActivationProbe([model], cfg.model.d_model), probed_names(model)
         before = {k: p.detach().cpu().clone() for k, p in model.named_parameters()}
-        opt = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
+        weights_ref = list(model.parameters())
+        opt = torch.optim.AdamW(weights_ref, **adamw_kwargs(weights_ref, cfg))  # the ranks' optimizer arguments
         losses, grads, params, starts, acts = [], [], [], [], []
         for step in range(steps):
             if weights is not None and step > 0:
@@ -373,6 +374,7 @@ def compare_saved(cfg: Config, path: Path, steps: int) -> Verdict:
     par = torch.load(path, weights_only=False)
     verdict = compare(cfg, single_device_reference(cfg, steps, weights=list(par.get("params") or [])), par, steps)
     verdict.horizon = horizon_note(cfg, steps)
+    verdict.compiled = bool(par.get("compiled", False))  # what the ranks ran (train.compile resolved there)
     return verdict
 
 
