@@ -51,30 +51,22 @@ def _acts(layout: Layout) -> _Acts:
     D, Dh = layout.d_model, layout.head_dim
     Hl, Gl = layout.n_heads // t, layout.n_kv_heads // t
     Dq, Dkv = Hl * Dh, Gl * Dh
-    rep = layout.n_heads // layout.n_kv_heads
     Fl = layout.d_ff // t
     Vl = layout.vocab_size // t
     path = layout.precision
     c = 4 if path == "fp32" else 2  # compute bytes
     r = 2 if path == "mp" else 4  # residual-stream bytes
     cp_ring = layout.cp > 1
-    # attention core: SDPA saves q, k, v (repeated for GQA), out, lse; ring attention (CP, fused kernels with
-    # their LSE: flash on CPU, memory-efficient elsewhere) saves q, the un-repeated k, v, out and the fp32 lse.
-    if cp_ring:
-        attn = n * (Dq * c + 2 * Dkv * c + Dq * c + Hl * 4)
-    else:
-        Dk = Dq if rep > 1 else Dkv
-        attn = n * ((2 * Dq + 2 * Dk) * c + Hl * 4)
+    # attention core: SDPA (GQA inside the kernel, enable_gqa) and ring attention (CP, fused kernels with their
+    # LSE: flash on CPU, memory-efficient elsewhere) both save q, the un-repeated k, v, out and the fp32 lse.
+    attn = n * (Dq * c + 2 * Dkv * c + Dq * c + Hl * 4)
     wo_in = n * Dq * c
-    if path == "fp32":
-        norms = 4 * nn_ * (4 * D + 2)  # x, normed, rsqrt (x2 norms)
-        y1, y2 = 4 * n * D, 4 * n * D  # q/k/v input, w1/w3 input
-    elif path == "autocast":
-        norms = 4 * nn_ * (4 * D + 2)
+    # model/lean.py RMSNorm saves its input (residual dtype) and the fp32 rstd [n, 1], for each of the 2 norms
+    norms = 2 * nn_ * (r * D + 4)
+    if path == "autocast":
         y1, y2 = 3 * 2 * n * D, 2 * 2 * n * D  # bf16 casts: one per wq, wk, wv; one per w1, w3
-    else:  # mp
-        norms = nn_ * (4 * 2 * D + 2 * 2 * D + 4 * 2)  # fp32 upcast + bf16 normalised, rsqrt (x2)
-        y1, y2 = 2 * n * D, 2 * n * D
+    else:  # the norm's output, shared by wq, wk, wv (w1, w3)
+        y1, y2 = c * n * D, c * n * D
     if layout.num_experts:
         ffn = _moe_saved(layout, n, path) + (y2 if path != "autocast" else 0)
         _, Sk = _moe_slots(layout, n)
@@ -84,7 +76,7 @@ def _acts(layout: Layout) -> _Acts:
         El = layout.num_experts // layout.ep
         ffn_bwd = 2 * El * D * layout.d_ff * (2 if path == "mp" else 4) + 3 * (Sk // El) * layout.d_ff * c
     else:
-        ffn = y2 + n * 4 * Fl * c
+        ffn = y2 + n * 3 * Fl * c  # lean.py SwiGLU keeps w1 x and w3 x; w2 keeps the product
         prod = n * Fl * c
         ffn_bwd = 3 * prod
     full = norms + y1 + attn + wo_in + ffn
@@ -105,12 +97,7 @@ def _acts(layout: Layout) -> _Acts:
             lin -= layout.num_experts * D
         pcopy = 2 * lin
     embed = n * 8 + (n * 9 if t > 1 else 0)  # ids; TP's vocab-parallel lookup keeps masked ids and a mask
-    if path == "fp32":
-        head = 4 * nn_ * (2 * D + 1) + 4 * n * D
-    elif path == "autocast":
-        head = 4 * nn_ * (2 * D + 1) + 2 * n * D
-    else:
-        head = nn_ * (4 * D + 2 * D + 4) + 2 * n * D
+    head = nn_ * (r * D + 4) + c * n * D  # the final norm's input and rstd, the head's (compute dtype) input
     # model/gpt.py chunked_lm_loss: k checkpointed chunks of at most nc tokens; only one chunk's logits,
     # log-softmax and their gradients exist at a time (forward keeps a scalar per chunk)
     k = loss_chunk_count(layout.loss_chunks, n, layout.vocab_size, layout.d_model)
