@@ -19,7 +19,7 @@ from curry_train.estimator.acts import _acts
 from curry_train.estimator.layout import layout_of
 from curry_train.paths import resolve_config_arg
 
-TARGET = 40.0  # bytes per s*b*h per layer, bf16 FSDP (docs/ESTIMATION.md#activations)
+TARGET = 40.0  # bytes per s*b*h per layer, bf16 FSDP (docs/ESTIMATION.md, "Activations")
 PATHS = {"mp": {"train.dtype": "bfloat16", "parallel.dp": 8, "parallel.zero": 3},
          "autocast": {"train.dtype": "bfloat16", "parallel.dp": 8, "parallel.zero": 0},
          "fp32": {"train.dtype": "float32", "parallel.dp": 8, "parallel.zero": 3}}

@@ -22,6 +22,7 @@ class _Acts:
     ffn_saved: int  # the FFN's share of layer_full (its input copies and SwiGLU / expert intermediates)
     prod: int  # the SwiGLU product w2 saves (freed by the first op of a block's backward)
     ffn_bwd: int  # the FFN backward's working set: dprod + dsilu + dup (three [n, F] gradients)
+    norm_bwd: int  # lean.py RMSNorm backward's working set: fp32 normalised input, its gradient, one product
     pcopy_layer: int  # autocast: bf16 copies of one layer's weights (memory.py: param_copies)
     pcopy_head: int  # autocast: bf16 copy of the LM head weight
     embed: int  # token ids (+ TP's masked ids and mask)
@@ -102,7 +103,8 @@ def _acts(layout: Layout) -> _Acts:
     # log-softmax and their gradients exist at a time (forward keeps a scalar per chunk)
     k = loss_chunk_count(layout.loss_chunks, n, layout.vocab_size, layout.d_model)
     nc = -(-n // k)
-    return _Acts(layer_saved=saved, layer_full=full, ffn_saved=ffn, prod=prod, ffn_bwd=ffn_bwd, pcopy_layer=pcopy,
+    return _Acts(layer_saved=saved, layer_full=full, ffn_saved=ffn, prod=prod, ffn_bwd=ffn_bwd,
+                 norm_bwd=12 * nn_ * D + 4 * nn_, pcopy_layer=pcopy,
                  pcopy_head=2 * Vl * D if path == "autocast" else 0, embed=embed, head=head, lsm=4 * nc * Vl,
                  targets=n * 8, logits=c * nc * Vl, grad_logits=c * nc * Vl, dy_head=c * n * D,
                  grad_logits_all=c * n * Vl, chunks=k, chunk_targets=nc * 8,

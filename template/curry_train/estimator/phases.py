@@ -142,9 +142,9 @@ def last_block_backward(r: RankView, s: StateView) -> list[Moment]:
             acts_i, o_i = s.head_acts + r.recompute_extra, o3 + a.grad_logits_all
         else:
             acts_i, o_i = acts3, o3
-        out.append(Moment("input backward (zero bubble)", p3, g3, acts_i, o_i + 5 * a.stream, {}, b3))
+        out.append(Moment("input backward (zero bubble)", p3, g3, acts_i, o_i + a.norm_bwd, {}, b3))
     out.append(Moment("block backward (SwiGLU)", p3, g3, acts3 - a.prod, o3 + a.ffn_bwd, {}, b3))
-    out.append(Moment("block backward (norm)", p3, g3, acts3 - a.ffn_saved, o3 + 5 * a.stream, {}, b3))
+    out.append(Moment("block backward (norm)", p3, g3, acts3 - a.ffn_saved, o3 + a.norm_bwd, {}, b3))
     return out
 
 

@@ -1,4 +1,4 @@
-"""Lean autograd for the element-wise pieces of a block, RMSNorm and the SwiGLU gate (docs/ESTIMATION.md#activations).
+"""Lean autograd for the element-wise parts of a block, RMSNorm and the SwiGLU gate (docs/ESTIMATION.md, "Activations").
 
 Plain autograd keeps the input of every op it differentiates through: RMSNorm's fp32 upcast, its normalised
 copy and the rsqrt; SiLU's input, its output and the up projection for the gate product. Written as one
