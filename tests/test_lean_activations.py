@@ -28,7 +28,8 @@ PATHS = {  # precision path -> overrides on the tiny preset that select it (wrap
 
 def _saved_block(path: str) -> tuple[int, list[torch.Tensor], int]:
     """(bytes one block saves for backward, the saved tensors, the estimator's layer_full) on the tiny preset.
-    "mp" runs the block as FSDP2's MixedPrecisionPolicy leaves an unsharded unit: bf16 weights and inputs."""
+    "mp" runs the block as FSDP2's MixedPrecisionPolicy leaves an unsharded unit: bf16 weights and hidden
+    states, the fp32 RoPE tables (cast_forward_inputs=False, parallel/fsdp.py)."""
     cfg = load_config(TINY, PATHS[path])
     assert layout_of(cfg).precision == path
     m, t = cfg.model, cfg.train
@@ -37,7 +38,6 @@ def _saved_block(path: str) -> tuple[int, list[torch.Tensor], int]:
     cos, sin = rope_tables(m.d_model // m.n_heads, t.seq_len, m.rope_theta)  # [T, Dh/2]
     if path == "mp":
         block, x = block.to(torch.bfloat16), x.detach().bfloat16().requires_grad_()
-        cos, sin = cos.bfloat16(), sin.bfloat16()
     params = {id(p) for p in block.parameters()}
     skip = {p.untyped_storage().data_ptr() for p in block.parameters()}
     skip |= {cos.untyped_storage().data_ptr(), sin.untyped_storage().data_ptr()}  # acts.py `rope`, shared
@@ -125,3 +125,28 @@ def test_llama3_8b_activation_bytes_per_layer_at_most_40_sbh() -> None:
     lay = layout_of(cfg)
     per_sbh = _acts(lay).layer_full / (lay.micro_batch * lay.seq_len * lay.d_model)
     assert lay.precision == "mp" and per_sbh <= 40, per_sbh
+
+
+def test_fsdp_bf16_blocks_get_bf16_hidden_states_and_the_fp32_rope_tables(tmp_path) -> None:
+    """MixedPrecisionPolicy(cast_forward_inputs=False): each block's inputs as the root hands them, the hidden
+    state bf16 (the embedding computes in bf16), cos/sin the root's fp32 tables, not a bf16 copy per block."""
+    import torch.distributed as dist
+    from curry_train.mesh import Topology, build_mesh
+    from curry_train.model.gpt import build_meta_model
+    from curry_train.parallel.fsdp import apply_fsdp
+    from curry_train.parallel.materialize import global_shapes, materialize
+
+    cfg = load_config(TINY, {"train.dtype": "bfloat16", "parallel.zero": 3})
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        mesh = build_mesh(Topology(), "cpu")  # one rank: FSDP2's degree-1 sharding, its policy all the same
+        model = build_meta_model(cfg)
+        apply_fsdp(model, mesh, cfg)
+        materialize(model, cfg, torch.device("cpu"), mesh, global_shapes(cfg))
+        seen = []
+        for block in model.layers.values():
+            block.register_forward_pre_hook(lambda _m, args: seen.append(tuple(a.dtype for a in args)))
+        model(torch.randint(0, cfg.model.vocab_size, (1, cfg.train.seq_len)))
+    finally:
+        dist.destroy_process_group()
+    assert seen == [(torch.bfloat16, torch.float32, torch.float32)] * cfg.model.n_layers, seen
