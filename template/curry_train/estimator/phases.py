@@ -123,7 +123,10 @@ def _block_backward(r: RankView, s: StateView) -> tuple[int, int, int, int, int]
     g3, b3 = _new_grads(r, s, head_grads + (r.grad_bytes * r.w2 if s.fresh else 0))
     gathering = r.zero3 and not s.own_kept
     p3 = s.param_copies + (_gathered(r, s) + (st.root_unit + st.unit_max if gathering else 0) if r.fsdp else 0)
-    o3 = s.other + a.d_stream + (st.unit_max if gathering else 0)
+    # a chunk without the head receives its output gradient into the pipeline's receive buffer (pp_buffers):
+    # no fresh [n, D] gradient in `other` until its last block's backward makes one
+    d_out = a.d_stream if layout.pp == 1 or _at_head(r, s) else 0
+    o3 = s.other + d_out + (st.unit_max if gathering else 0)
     acts3 = s.acts + s.logits_alive + r.recompute_extra
     if layout.pp > 1 and layout.pp_schedule == "zero_bubble":
         o3 += r.chunk_layers[s.ps.chunk] * a.lin_out_grads
