@@ -83,7 +83,9 @@ def _cp_checks(rank: int, world: int) -> dict:
     g = torch.Generator().manual_seed(0)  # same full tensors on every rank
     q, k, v, dout = (torch.randn(B, h, T, Dh, generator=g) for h in (H, G, G, H))
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    ref = causal_attention(*leaves)
+    # the ring repeats the kv heads itself (context_parallel._rep): so does the reference, whose k/v gradients
+    # are then summed over the repeats as the ring's are, and the fp32 bound measures the ring's merging only
+    ref = causal_attention(leaves[0], *(t.repeat_interleave(H // G, dim=1) for t in leaves[1:]))
     ref_grads = torch.autograd.grad((ref * dout).sum(), leaves)
     ref = ref.detach()
     for name, layout in (("head_tail", cp_positions), ("contiguous", contiguous_positions)):

@@ -23,6 +23,7 @@ class _Acts:
     ffn_saved: int  # the FFN's share of layer_full (its input copies and SwiGLU / expert intermediates)
     prod: int  # the SwiGLU product w2 saves (freed by the first op of a block's backward)
     ffn_bwd: int  # the FFN backward's working set: dprod + dsilu + dup (three [n, F] gradients)
+    norm_bwd: int  # lean.py RMSNorm backward's working set: fp32 normalised input, its gradient, one product
     pcopy_layer: int  # autocast: bf16 copies of one layer's weights (memory.py: param_copies)
     pcopy_head: int  # autocast: bf16 copy of the LM head weight
     embed: int  # token ids (+ TP's masked ids and mask)
@@ -53,30 +54,22 @@ def _acts(layout: Layout) -> _Acts:
     D, Dh = layout.d_model, layout.head_dim
     Hl, Gl = layout.n_heads // t, layout.n_kv_heads // t
     Dq, Dkv = Hl * Dh, Gl * Dh
-    rep = layout.n_heads // layout.n_kv_heads
     Fl = layout.d_ff // t
     Vl = layout.vocab_size // t
     path = layout.precision
     c = 4 if path == "fp32" else 2  # compute bytes
     r = 2 if path == "mp" else 4  # residual-stream bytes
     cp_ring = layout.cp > 1
-    # attention core: SDPA saves q, k, v (repeated for GQA), out, lse; ring attention (CP, fused kernels with
-    # their LSE: flash, memory-efficient for fp32 on CUDA) saves q, the un-repeated k, v, out and the fp32 lse.
-    if cp_ring:
-        attn = n * (Dq * c + 2 * Dkv * c + Dq * c + Hl * 4)
-    else:
-        Dk = Dq if rep > 1 else Dkv
-        attn = n * ((2 * Dq + 2 * Dk) * c + Hl * 4)
+    # attention core: SDPA (GQA inside the kernel, enable_gqa) and ring attention (CP, fused kernels with their
+    # LSE: flash on CPU, memory-efficient elsewhere) both save q, the un-repeated k, v, out and the fp32 lse.
+    attn = n * (Dq * c + 2 * Dkv * c + Dq * c + Hl * 4)
     wo_in = n * Dq * c
-    if path == "fp32":
-        norms = 4 * nn_ * (4 * D + 2)  # x, normed, rsqrt (x2 norms)
-        y1, y2 = 4 * n * D, 4 * n * D  # q/k/v input, w1/w3 input
-    elif path == "autocast":
-        norms = 4 * nn_ * (4 * D + 2)
+    # model/lean.py RMSNorm saves its input (residual dtype) and the fp32 rstd [n, 1], for each of the 2 norms
+    norms = 2 * nn_ * (r * D + 4)
+    if path == "autocast":
         y1, y2 = 3 * 2 * n * D, 2 * 2 * n * D  # bf16 casts: one per wq, wk, wv; one per w1, w3
-    else:  # mp
-        norms = nn_ * (4 * 2 * D + 2 * 2 * D + 4 * 2)  # fp32 upcast + bf16 normalised, rsqrt (x2)
-        y1, y2 = 2 * n * D, 2 * n * D
+    else:  # the norm's output, shared by wq, wk, wv (w1, w3)
+        y1, y2 = c * n * D, c * n * D
     if layout.num_experts:
         ffn = _moe_saved(layout, n, path) + (y2 if path != "autocast" else 0)
         _, Sk = _moe_slots(layout, n)
@@ -88,7 +81,7 @@ def _acts(layout: Layout) -> _Acts:
         El = layout.num_experts // layout.ep
         ffn_bwd = 2 * El * D * layout.d_ff * (2 if path == "mp" else 4) + 3 * (Sk // El) * layout.d_ff * c
     else:
-        ffn = y2 + n * 4 * Fl * c
+        ffn = y2 + n * 3 * Fl * c  # lean.py SwiGLU keeps w1 x and w3 x; w2 keeps the product
         prod = n * Fl * c
         ffn_bwd = 3 * prod
     full = norms + y1 + attn + wo_in + ffn
@@ -106,17 +99,13 @@ def _acts(layout: Layout) -> _Acts:
             lin -= layout.num_experts * D
         pcopy = 2 * lin
     embed = n * 8 + (n * 9 if t > 1 else 0)  # ids; TP's vocab-parallel lookup keeps masked ids and a mask
-    if path == "fp32":
-        head = 4 * nn_ * (2 * D + 1) + 4 * n * D
-    elif path == "autocast":
-        head = 4 * nn_ * (2 * D + 1) + 2 * n * D
-    else:
-        head = nn_ * (4 * D + 2 * D + 4) + 2 * n * D
+    head = nn_ * (r * D + 4) + c * n * D  # the final norm's input and rstd, the head's (compute dtype) input
     # model/gpt.py chunked_lm_loss: k checkpointed chunks of at most nc tokens; only one chunk's logits,
     # log-softmax and their gradients exist at a time (forward keeps a scalar per chunk)
     k = loss_chunk_count(layout.loss_chunks, n, layout.vocab_size, layout.d_model)
     nc = -(-n // k)
-    return _Acts(layer_saved=saved, layer_full=full, ffn_saved=ffn, prod=prod, ffn_bwd=ffn_bwd, pcopy_layer=pcopy,
+    return _Acts(layer_saved=saved, layer_full=full, ffn_saved=ffn, prod=prod, ffn_bwd=ffn_bwd,
+                 norm_bwd=12 * nn_ * D + 4 * nn_, pcopy_layer=pcopy,
                  pcopy_head=2 * Vl * D if path == "autocast" else 0, embed=embed, head=head, lsm=4 * nc * Vl,
                  targets=n * 8, logits=c * nc * Vl, grad_logits=c * nc * Vl, dy_head=c * n * D,
                  grad_logits_all=c * n * Vl, chunks=k, chunk_targets=nc * 8,
@@ -171,14 +160,14 @@ def _moe_saved(layout: Layout, n: int, path: str) -> int:
 
 
 def _shared_saved(layout: Layout, n: int, path: str) -> int:
-    """The shared expert (a SwiGLU of width Fs over all n tokens, moe.MoE.shared_experts): w1 and w3 outputs,
-    silu and the product, as a dense FFN's; its input is the router's (already counted), except that autocast
-    casts it once per w1 / w3."""
+    """The shared expert (a SwiGLU of width Fs over all n tokens, moe.MoE.shared_experts, gpt.FeedForward): w1 and
+    w3 outputs and the product, as a dense FFN's (model/lean.py's SwiGLU rebuilds silu in backward); its input is
+    the router's (already counted), except that autocast casts it once per w1 / w3."""
     Fs = layout.shared_d_ff
     if not Fs:
         return 0
     c = 4 if path == "fp32" else 2
-    return n * 4 * Fs * c + (2 * 2 * n * layout.d_model if path == "autocast" else 0)
+    return n * 3 * Fs * c + (2 * 2 * n * layout.d_model if path == "autocast" else 0)
 
 
 def _selective_saved(layout: Layout, n: int, nn_: int, c: int, path: str) -> int:

@@ -123,7 +123,10 @@ def _block_backward(r: RankView, s: StateView) -> tuple[int, int, int, int, int]
     g3, b3 = _new_grads(r, s, head_grads + (r.grad_bytes * r.w2 if s.fresh else 0))
     gathering = r.zero3 and not s.own_kept
     p3 = s.param_copies + (_gathered(r, s) + (st.root_unit + st.unit_max if gathering else 0) if r.fsdp else 0)
-    o3 = s.other + a.d_stream + (st.unit_max if gathering else 0)
+    # a chunk without the head receives its output gradient into the pipeline's receive buffer (pp_buffers):
+    # no fresh [n, D] gradient in `other` until its last block's backward makes one
+    d_out = a.d_stream if layout.pp == 1 or _at_head(r, s) else 0
+    o3 = s.other + d_out + (st.unit_max if gathering else 0)
     acts3 = s.acts + s.logits_alive + r.recompute_extra
     if layout.pp > 1 and layout.pp_schedule == "zero_bubble":
         o3 += r.chunk_layers[s.ps.chunk] * a.lin_out_grads
@@ -142,7 +145,7 @@ def last_block_backward(r: RankView, s: StateView) -> list[Moment]:
             acts_i, o_i = s.head_acts + r.recompute_extra, o3 + a.grad_logits_all
         else:
             acts_i, o_i = acts3, o3
-        out.append(Moment("input backward (zero bubble)", p3, g3, acts_i, o_i + 5 * a.stream, {}, b3))
+        out.append(Moment("input backward (zero bubble)", p3, g3, acts_i, o_i + a.norm_bwd, {}, b3))
     if a.shared_prod:  # MoE: the shared expert's SwiGLU backward first, the routed experts' still saved; under
         # zero 3 with ep > 1 the experts' own FSDP unit is gathered only when their backward starts
         own_unit = r.zero3 and layout.ep > 1 and not s.own_kept
@@ -150,7 +153,7 @@ def last_block_backward(r: RankView, s: StateView) -> list[Moment]:
         out.append(Moment("block backward (shared expert)", p3 - (experts if own_unit else 0), g3,
                           acts3 - a.shared_prod, o3 + 3 * a.shared_prod, {}, b3))
     out.append(Moment("block backward (SwiGLU)", p3, g3, acts3 - a.prod, o3 + a.ffn_bwd, {}, b3))
-    out.append(Moment("block backward (norm)", p3, g3, acts3 - a.ffn_saved, o3 + 5 * a.stream, {}, b3))
+    out.append(Moment("block backward (norm)", p3, g3, acts3 - a.ffn_saved, o3 + a.norm_bwd, {}, b3))
     return out
 
 

@@ -19,9 +19,11 @@ import zlib
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import checkpoint
 
 from curry_train.config import Config, ModelConfig, dense_width, is_moe_block, loss_chunk_count, shared_width
+from curry_train.model.lean import rms_norm, swiglu
 
 
 class RMSNorm(nn.Module):
@@ -33,9 +35,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return xf.type_as(x) * self.weight
+        return rms_norm(x, self.weight, self.eps)  # model/lean.py: saves x and the fp32 rstd only
 
 
 def rope_tables(head_dim: int, max_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -52,12 +52,21 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return out.type_as(x)
 
 
+# CUDA: the fused kernels first, cuDNN's ahead of flash (faster on Hopper), math last; a backend that cannot take
+# the inputs (dtype, head dim, GQA) is skipped for the next. CPU keeps torch's own choice (its flash kernel).
+SDPA_PRIORITY = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                 SDPBackend.MATH]
+
+
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """q [B, H, T, Dh], k/v [B, G, T, Dh] -> [B, H, T, Dh]. Context parallel swaps this for ring attention."""
-    n_rep = q.shape[1] // k.shape[1]
-    if n_rep > 1:  # GQA: each kv head serves n_rep consecutive query heads
-        k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    """q [B, H, T, Dh], k/v [B, G, T, Dh] -> [B, H, T, Dh]. Context parallel swaps this for ring attention.
+
+    GQA (each kv head serves H/G consecutive query heads) inside the kernel (enable_gqa): k and v are saved for
+    backward as [B, G, T, Dh], never repeated to H heads."""
+    if q.device.type == "cuda":
+        with sdpa_kernel(SDPA_PRIORITY, set_priority=True):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
 
 
 class Attention(nn.Module):
@@ -90,7 +99,7 @@ class FeedForward(nn.Module):
         self.w2 = nn.Linear(d_ff, d_model, bias=False)  # down
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))  # [B, T, F] -> [B, T, D]
+        return self.w2(swiglu(self.w1(x), self.w3(x)))  # [B, T, F] -> [B, T, D]; lean.py saves w1 x, w3 x only
 
 
 class Block(nn.Module):

@@ -32,7 +32,8 @@ gradients and AdamW state are sharded r times less finely, and each gradient sha
 replicas after its reduce-scatter (FSDP2's HYBRID_SHARD). The shard group sits inside a node when it fits, so
 only the all-reduce of shards crosses nodes.
 Mixed precision (train.dtype=bfloat16): bf16 all-gather and compute, fp32 master shards, fp32 reduce-scatter
-(Micikevicius et al. 2018, "Mixed Precision Training", §3: fp32 master weights and accumulation).
+(Micikevicius et al. 2018, "Mixed Precision Training", §3: fp32 master weights and accumulation); a unit's
+forward inputs are not cast (the hidden states are bf16 already, the RoPE tables stay fp32).
 Composes with TP (params already DTensors on mesh["tp"] become 2-D `(_StridedShard, Shard)` params), with a
 pipeline stage (tok_embeddings/norm/output may be None, `layers` a subset) and with recompute (applied first,
 so a unit's recomputed forward uses the already gathered parameters).
@@ -54,7 +55,10 @@ def fsdp_kwargs(cfg: Config) -> dict[str, Any]:
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     if cfg.train.dtype == "bfloat16":
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        # cast_forward_inputs=False (as torchtitan): the blocks' hidden states are bf16 already (the embedding
+        # computes in bf16), and the fp32 RoPE tables the root hands every block stay fp32, shared, instead of
+        # one bf16 copy per block, which RoPE would keep for backward (docs/ESTIMATION.md, "Activations")
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=False)
     else:
         mp = MixedPrecisionPolicy()
     return {"reshard_after_forward": cfg.parallel.zero >= 3, "mp_policy": mp}

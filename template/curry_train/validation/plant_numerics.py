@@ -68,16 +68,18 @@ def ddp_reduce_bf16(stack, cfg: Config, target: str | None) -> Planted:
 
 def fsdp_reduce_bf16(stack, cfg: Config, target: str | None) -> Planted:
     """FSDP2's MixedPrecisionPolicy with reduce_dtype=bfloat16 (parallel/fsdp.py fsdp_kwargs returns the policy
-    every unit gets; apply_fsdp looks it up by name): gradients reduce-scattered in bf16, not fp32."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy
+    every unit gets; apply_fsdp looks it up by name): gradients reduce-scattered in bf16, not fp32. Everything
+    else of the policy is the real one's (dataclasses.replace), so the reduction is the only difference."""
+    import dataclasses
 
     from curry_train.parallel import fsdp
 
     exact = fsdp.fsdp_kwargs
 
     def bf16_reduce(cfg: Config) -> dict[str, Any]:
-        return {**exact(cfg), "mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16,
-                                                                reduce_dtype=torch.bfloat16)}
+        kwargs = exact(cfg)
+        return {**kwargs, "mp_policy": dataclasses.replace(kwargs["mp_policy"], param_dtype=torch.bfloat16,
+                                                           reduce_dtype=torch.bfloat16)}
 
     _patch(stack, fsdp, "fsdp_kwargs", bf16_reduce)
     return Planted()

@@ -269,9 +269,10 @@ def _micro_step(model: torch.nn.Module, x: torch.Tensor, positions: torch.Tensor
     from curry_train.model.gpt import aux_loss, lm_loss
 
     run = model
-    if cast == "mp":  # FSDP2's unsharded units: every parameter in bf16, and every floating input of a unit
-        # (cast_forward_inputs: the RoPE tables the root hands each block) too, so the whole model in bf16
+    if cast == "mp":  # FSDP2's unsharded units: every parameter in bf16; the inputs of a unit are not cast
+        # (parallel/fsdp.py cast_forward_inputs=False), so the RoPE tables the root hands each block stay fp32
         run = copy.deepcopy(model).to(torch.bfloat16)  # the forward hooks (activation probe) come along
+        run.rope_cos, run.rope_sin = model.rope_cos, model.rope_sin
     if cast == "fp32":
         loss = lm_loss(model(x, positions), y)
     else:  # the model's own (chunked) loss, as the ranks run it: its bf16 head per chunk is part of the casts
