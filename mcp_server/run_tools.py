@@ -73,7 +73,7 @@ async def bench(
     timeout_s: TimeoutS = 900.0,
     micro_batches: Annotated[int | None, Field(ge=1, le=4096, description="Micro-batches per rank in each benched "
                                                "step, the layout unchanged (default: 2, or the whole step under a "
-                                               "pipeline).")] = None,
+                                               "pipeline or when the estimated whole step is at most 30 s).")] = None,
 ) -> Annotated[CallToolResult, BenchResult]:
     """Run the config on this machine (world_size = dp*tp*pp*cp ranks through torchrun) and measure it: median
     step time, tokens/s, per-rank peak memory in the estimator's categories (params, param_copies, grads,

@@ -31,6 +31,16 @@ def test_a_bench_step_covers_a_few_micro_batches_and_keeps_the_layout():
     assert bench_config(cfg, 64) is cfg and bench_config(cfg, 5).num_microbatches == 5
 
 
+def test_a_whole_step_the_estimate_puts_under_30_s_is_benched_whole_so_layouts_compare_their_losses():
+    from curry_train.measure.bench_plan import WHOLE_STEP_S, estimated_step_s
+
+    tiny = load_config(PRESETS / "tiny.yaml")  # dp 1: 4 micro-batches
+    assert estimated_step_s(tiny) <= WHOLE_STEP_S == 30.0 and tiny.num_microbatches > BENCH_MICRO_BATCHES
+    assert bench_config(tiny, None) is tiny  # the config itself: dp 1 and dp 2 bench one global batch
+    big = load_config(PRESETS / "llama3-8b.yaml")
+    assert estimated_step_s(big) > WHOLE_STEP_S  # hence the 2 micro-batches of the test above
+
+
 def test_under_a_pipeline_the_default_is_the_whole_step_whose_peak_grows_with_the_micro_batches():
     cfg = load_config(PRESETS / "tiny.yaml", {"parallel.pp": 2})
     assert bench_config(cfg, None).num_microbatches == cfg.num_microbatches == 4

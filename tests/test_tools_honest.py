@@ -287,12 +287,12 @@ async def test_a_config_created_mid_session_is_listed_and_announced(project):
 @pytest.mark.anyio
 async def test_capacity_sweep_says_what_bounds_each_number_and_never_passes_a_bound_off_as_a_limit():
     async with Client(mcp, mode="legacy") as c:
-        r = await c.call_tool("capacity_sweep", {"config": "tiny", "max_micro_batch": 1024})
+        r = await c.call_tool("capacity_sweep", {"config": "tiny", "max_micro_batch": 4096})
     out = r.structured_content
     largest = max(m["params"] for m in out["family"])
     for row in out["rungs"]:
         assert row["note"], row["rung"]  # never empty
-        if row["max_micro_batch"] == 1024:  # the search cap: a bound, said so
+        if row["max_micro_batch"] == 4096:  # the search cap: a bound, said so
             assert row["micro_batch_limited_by"] == "search cap" and "search cap" in row["note"], row
         elif row["max_micro_batch"] is not None:
             assert row["micro_batch_limited_by"] == "memory" and f"{row['max_micro_batch'] + 1} needs" in row["note"]

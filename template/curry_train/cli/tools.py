@@ -154,7 +154,7 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--warmup", type=nonneg_int, default=1, help="untimed steps first")
     p.add_argument("--micro-batches", type=positive_int, default=None,
                    help="micro-batches per rank in each benched step, the layout unchanged (default: 2, or the "
-                   "whole step under a pipeline; measure/bench_plan.py)")
+                   "whole step under a pipeline or when its estimate is at most 30 s; measure/bench_plan.py)")
     p.add_argument("--timeout", type=seconds, default=None, help="seconds before every rank is killed (default: "
                    "init + the estimated step time x steps x margin)")
     p.add_argument("--plot", metavar="PNG", help="also write the memory breakdown (estimate vs measured) here")

@@ -10,7 +10,8 @@ so a llama3-8b bench costs N micro-batches per step, not 64. Gradient accumulati
 activations before the next, so without a pipeline the per-rank peak of N >= 2 micro-batches is that of the full
 batch (N = 2 keeps the no-sync then sync path of gradient accumulation); a pipeline's peak grows with the
 micro-batches in flight (docs/ESTIMATION.md, "Pipeline schedules"), so under pp > 1 the default is the whole
-batch. Tokens/s counts the tokens the benched step really processed, and the estimate beside the measurement is
+batch. A whole step the estimator puts under WHOLE_STEP_S is benched whole too: it costs little, and the bench
+then measures the config itself, so two benches of layouts with one global batch compare their losses as well. Tokens/s counts the tokens the benched step really processed, and the estimate beside the measurement is
 the estimate of the benched config, so the two compare like with like.
 """
 
@@ -21,6 +22,7 @@ from typing import Any, Literal
 from curry_train.config import Config, ConfigError, Problem, from_dict
 
 BENCH_MICRO_BATCHES = 2  # default micro-batches per rank per benched step without a pipeline (see above)
+WHOLE_STEP_S = 30.0  # ... unless the estimated whole step is this short: then the bench runs the config itself
 INIT_S = 180.0  # torchrun start, import torch, process groups, meta build + local materialisation (assumed)
 MARGIN = 3.0  # the estimate's step time may be this far off (contention, a first-call kernel autotune)
 TRACKED_STEP_COST = 4.0  # the memory step runs under a dispatch mode: this many plain steps (assumed)
@@ -39,7 +41,8 @@ def bench_config(cfg: Config, micro_batches: int | Literal["all"] | None) -> Con
     if micro_batches == "all":
         return cfg
     if micro_batches is None:
-        n = full if cfg.parallel.pp > 1 else min(full, BENCH_MICRO_BATCHES)
+        whole = cfg.parallel.pp > 1 or estimated_step_s(cfg) <= WHOLE_STEP_S
+        n = full if whole else min(full, BENCH_MICRO_BATCHES)
     else:
         n = micro_batches
     if n < 1 or n > full:

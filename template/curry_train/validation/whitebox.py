@@ -269,8 +269,7 @@ def _micro_step(model: torch.nn.Module, x: torch.Tensor, positions: torch.Tensor
     from curry_train.model.gpt import aux_loss, lm_loss
 
     run = model
-    if cast == "mp":  # FSDP2's unsharded units: every parameter in bf16; the inputs of a unit are not cast
-        # (parallel/fsdp.py cast_forward_inputs=False), so the RoPE tables the root hands each block stay fp32
+    if cast == "mp":  # FSDP2's units: bf16 parameters, inputs not cast (fsdp.py): the RoPE tables stay fp32
         run = copy.deepcopy(model).to(torch.bfloat16)  # the forward hooks (activation probe) come along
         run.rope_cos, run.rope_sin = model.rope_cos, model.rope_sin
     if cast == "fp32":
