@@ -11,7 +11,8 @@ activations before the next, so without a pipeline the per-rank peak of N >= 2 m
 batch (N = 2 keeps the no-sync then sync path of gradient accumulation); a pipeline's peak grows with the
 micro-batches in flight (docs/ESTIMATION.md, "Pipeline schedules"), so under pp > 1 the default is the whole
 batch. A whole step the estimator puts under WHOLE_STEP_S is benched whole too: it costs little, and the bench
-then measures the config itself, so two benches of layouts with one global batch compare their losses as well. Tokens/s counts the tokens the benched step really processed, and the estimate beside the measurement is
+then measures the config itself, so two benches of layouts with one global batch compare their losses as well.
+Tokens/s counts the tokens the benched step really processed, and the estimate beside the measurement is
 the estimate of the benched config, so the two compare like with like.
 """
 
