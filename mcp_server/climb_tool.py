@@ -23,7 +23,7 @@ from .app import BIG_RESULT, LAUNCHES, ConfigName, Overrides, TimeoutS, _long, _
 async def climb(
     config: ConfigName,
     memory_budget: Annotated[int, Field(gt=0, description="Per-rank memory budget in bytes that the climb must "
-                                                          "fit, e.g. 2000000 for the README's climb of tiny.")],
+                                                          "fit, e.g. 1700000 for the README's climb of tiny.")],
     ctx: Context,
     overrides: Overrides = {},  # noqa: B006 - never mutated
     name: Annotated[str | None, Field(description="Config the climb writes, one version per rung (default "

@@ -64,6 +64,18 @@ def test_estimate_and_measurement_file_the_same_bytes_in_every_category_at_the_p
     names = [n for group in LAYOUTS.values() for n in group]
     reports = acc.measure(names, timeout=600)  # one forkserver launch per world size
     assert {acc.config_for(n).world_size for n in LAYOUTS[2]} == {2} and set(reports) == set(names)
+    wrong = _misfiled(acc, names, reports)
+    if wrong:
+        # FSDP's reduce-scatter input is freed by gloo's thread when the collective completes
+        # (measure/tracker.py), so on a loaded machine a run can peak with the previous unit's gradient still
+        # alive. That is timing, not the model: a wrong filing must repeat in a second launch to fail.
+        again = acc.measure(sorted(wrong), timeout=600)
+        wrong = {n: w for n, w in wrong.items() if n in _misfiled(acc, sorted(wrong), again)}
+    assert not wrong, wrong  # name -> (estimated phase, {category: (estimated, measured)})
+
+
+def _misfiled(acc, names: list[str], reports: dict) -> dict:
+    """name -> (estimated phase, {category: (estimated, measured)}) for every run filed off its estimate."""
     wrong = {}
     for name in names:
         r = acc.compare(name, reports[name])
@@ -75,4 +87,4 @@ def test_estimate_and_measurement_file_the_same_bytes_in_every_category_at_the_p
             bad["loss"] = (est["loss"], meas["loss"])
         if bad:
             wrong[name] = (r["phase"], bad)
-    assert not wrong, wrong  # name -> (estimated phase, {category: (estimated, measured)})
+    return wrong

@@ -175,7 +175,7 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("climb", help="the main job: climb the parallelism ladder until a memory budget fits")
     add_config_args(p)
     p.add_argument("--memory-budget", type=byte_count, required=True, metavar="BYTES",
-                   help="per-rank memory budget in bytes, e.g. 2000000")
+                   help="per-rank memory budget in bytes, e.g. 1700000")
     p.add_argument("--name", default=None, help="config the climb writes (default <config>-climb)")
     p.add_argument("--steps", type=positive_int, default=3, help="timed bench steps per rung")
     p.add_argument("--max-rungs", type=nonneg_int, default=8, help="stop after this many primitives")
