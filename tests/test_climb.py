@@ -32,7 +32,7 @@ REAL_BENCH = bench_mod.bench
 @pytest.fixture
 def fake_runs(monkeypatch):
     """bench = the estimator's total (+1%); whitebox passes unless a layout is listed in `broken`."""
-    calls: dict[str, list] = {"bench": [], "whitebox": [], "recommend": [], "resume": []}
+    calls: dict[str, list] = {"bench": [], "whitebox": [], "recommend": [], "resume": [], "wb_resume": []}
     broken: list[dict] = []
 
     def fake_bench(name, steps=5, warmup=1, overrides=None, *, root=None, timeout=0, cancel=None, progress=None,
@@ -59,10 +59,12 @@ def fake_runs(monkeypatch):
                                                                  "other", "total")}), wall_s=0.1,
             start_step=start, resumed_from=resume, checkpoint=ck if save_checkpoint else None)
 
-    def fake_whitebox(name, overrides=None, *, steps=None, root=None, timeout=0, cancel=None, inject=None):
+    def fake_whitebox(name, overrides=None, *, steps=None, root=None, timeout=0, cancel=None, inject=None,
+                      resume_checkpoint=None):
         assert steps is None  # the default horizon per rung: two updates at least (validation/horizon.py)
         cfg, _ = service.resolve(name, overrides, root)
         calls["whitebox"].append(cfg.parallel.model_dump())
+        calls["wb_resume"].append(resume_checkpoint)
         return SimpleNamespace(passed=cfg.parallel.model_dump() not in broken, run_id=f"wb-{len(calls['whitebox'])}")
 
     monkeypatch.setattr("curry_train.measure.bench.bench", fake_bench)
@@ -105,6 +107,9 @@ def test_climbs_one_white_boxed_primitive_per_rung_until_the_budget_fits(project
     assert [g.start_step for g in r.rungs] == [0, 4, 8, 12] and r.rungs[0].resumed_from is None
     assert all(g.resumed_from == p.checkpoint for p, g in zip(r.rungs, r.rungs[1:]))
     assert "4-7" in table and "12-15" in table
+    # parity covers the run: each resumed rung is white-boxed from the checkpoint it resumed (validation/resume.py)
+    assert fake_runs.calls["wb_resume"] == [g.resumed_from for g in r.rungs[1:]] and all(fake_runs.calls["wb_resume"])
+    assert [g.parity_from for g in r.rungs[1:]] == [g.resumed_from for g in r.rungs[1:]]
     # disk: each rung's checkpoint is deleted once the next rung has resumed it and saved its own
     assert [g.checkpoint_deleted for g in r.rungs] == [True, True, True, False]
     assert [Path(g.checkpoint).exists() for g in r.rungs] == [False, False, False, True]

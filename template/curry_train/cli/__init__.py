@@ -75,6 +75,9 @@ def _human_verdict(v: Any) -> str:
              f"  grad norm ref {v.grad_norm_ref} vs parallel {v.grad_norm_parallel}",
              f"  {v.n_params_compared} parameters, {v.n_replica_copies} copies over all ranks",
              f"  lr schedule: {v.horizon}"]
+    if v.resume:
+        lines.append(f"  resumed at step {v.resume['step']} from {v.resume.get('checkpoint')} (saved by "
+                     f"{v.resume['saved_by']}): checked {', '.join(v.resume['checks'])}")
     if v.worst_parameter:
         w = v.worst_parameter
         lines.append(f"  worst: {w.name}: {w.metric} {w.measured:.2e} (allowed {w.allowed:.2e})")
@@ -124,7 +127,8 @@ def _cmd_whitebox(a: argparse.Namespace) -> int:
 
     try:
         v = service.whitebox(a.config, parse_sets(a.set), steps=a.steps, root=a.root, timeout=a.timeout,
-                             inject=inject, inject_target=target)
+                             inject=inject, inject_target=target, resume_from_layout=a.resume_from_layout,
+                             resume_at=a.resume_at)
     except WhiteboxInputError as e:
         print(f"curry-train whitebox: {e}", file=sys.stderr)
         return EXIT_INVALID
@@ -179,6 +183,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="print the planted-bug catalogue (name, family, layout, what it breaks) and exit")
     p.add_argument("--break-grad-sync", action="append", default=None, metavar="PARAM",
                    help="same as --inject ddp-unreduced-grad on PARAM (needs dp*cp > 1 and zero <= 1)")
+    p.add_argument("--resume-from-layout", default=None, metavar="LAYOUT",
+                   help="resume white-box: train --resume-at steps in LAYOUT (KEY=VALUE,... of the parallel section, "
+                        "e.g. dp=2,zero=3, 'single', or a config of the same model), save, resume in this layout "
+                        "for --steps (default 2) more; the saved and loaded state must be bitwise the run's")
+    p.add_argument("--resume-at", type=positive_int, default=2,
+                   help="with --resume-from-layout: the step the saving layout checkpoints at")
     p.set_defaults(fn=_cmd_whitebox)
 
     p = sub.add_parser("runs", help="list recorded runs, or diff two")

@@ -16,8 +16,12 @@ runs/<bench run>/checkpoints/step-NNNNNN, train/checkpoint.py) and the next rung
 its new layout, so the loss curve continues (rung 1 trains steps 4-7 after the baseline's 0-3) and a rung's
 record names the checkpoint it resumed from and its step. A rung that saved nothing (a CUDA OOM) passes on the
 checkpoint it resumed from. A missing or damaged checkpoint stops the climb with an error, never a silent fresh
-start. The white-box check of each rung stays a fresh 2-step run from the seeded weights: it proves the layout,
-not the run. Disk: a checkpoint is the fp32 weights plus AdamW's two moments, 12 B/param (about 96 GB at 8B), so
+start. The white-box check of a rung that resumed is the resume white-box from the checkpoint it resumed
+(validation/resume.py): the rung's layout loads that checkpoint with the same load the bench ran, its loaded
+weights and AdamW state must be the checkpoint's bit for bit, the step counters and lr its step's, and its next
+steps match the single-device reference that loads the same checkpoint; the baseline's (and a rung that resumed
+nothing) is the white-box from the seed (`parity_from`). Disk: a checkpoint is the fp32 weights plus AdamW's two
+moments, 12 B/param (about 96 GB at 8B), so
 once a rung has resumed and saved its own, the checkpoint it resumed from is deleted (`checkpoint_deleted` in its
 record); --keep-checkpoints keeps every rung's.
 """
@@ -61,6 +65,8 @@ class Rung(BaseModel):
     parity: str = Field(description="white-box verdict: passed, FAILED, or why it was not run.")
     bench_run: str
     whitebox_run: str | None = None
+    parity_from: str = Field("seed", description="What the white-box started from: 'seed', or the checkpoint the "
+                             "rung resumed (the resume white-box: loaded state bitwise, then the resumed steps).")
     loss: float | None = None
     losses: list[float] = Field(default_factory=list, description="bench's losses, warm-up included.")
     start_step: int = Field(0, description="The first step this rung trained (the resumed checkpoint's step).")
@@ -213,7 +219,7 @@ def climb(config: str, memory_budget: int, *, overrides: dict[str, Any] | None =
         else:
             say(f"rung {rung}: white-box {name} against one device")
             v = locked(lambda: service.whitebox(name, steps=WHITEBOX_STEPS, root=root, timeout=timeout,
-                                                cancel=cancel))
+                                                cancel=cancel, resume_checkpoint=ck))  # ck: the resume white-box
             parity, wb_run = ("passed" if v.passed else "FAILED"), v.run_id
         # the estimator's test (estimator.reserve_bytes): on CUDA the context, NCCL and fragmentation come off the
         # budget before the allocator's peak is compared; on CPU the reserve is 0
@@ -221,7 +227,8 @@ def climb(config: str, memory_budget: int, *, overrides: dict[str, Any] | None =
         g = Rung(rung=rung, primitive=primitive, reason=reason, patch=patch, parallel=b.parallel,
                  world_size=b.world_size, predicted_bytes=b.estimate.total if b.estimate else None,
                  measured_bytes=b.peak_memory_bytes, step_time_s=b.step_time_s, oom=b.oom, fits=fits,
-                 parity=parity, bench_run=b.run_id, whitebox_run=wb_run, loss=b.losses[-1] if b.losses else None,
+                 parity=parity, parity_from=ck if ck and wb_run else "seed", bench_run=b.run_id,
+                 whitebox_run=wb_run, loss=b.losses[-1] if b.losses else None,
                  losses=b.losses, start_step=b.start_step, resumed_from=b.resumed_from, checkpoint=b.checkpoint)
         say(f"rung {rung}: {primitive}: measured {_mib(g.measured_bytes)} (predicted {_mib(g.predicted_bytes)}), "
             f"parity {parity}, {'fits' if fits else 'over budget'}")

@@ -105,28 +105,43 @@ def train(config: str, overrides: dict[str, Any] | None = None, *, root: str | P
 
 def whitebox(config: str, overrides: dict[str, Any] | None = None, *, steps: int | None = None,
              root: str | Path | None = None, timeout: float = 900.0, cancel: threading.Event | None = None,
-             inject: str | None = None, inject_target: str | None = None):
+             inject: str | None = None, inject_target: str | None = None, resume_from_layout: str | None = None,
+             resume_at: int = 2, resume_checkpoint: str | None = None):
     """Parallel run vs single-device reference; returns the Verdict (with run_id), recorded in the ledger.
 
     `steps` None: whitebox.default_steps (2, or through the end of a short lr warm-up).
     `inject` plants one bug of validation/inject.CATALOGUE in the ranks (the verdict must then fail). Bad input
     (steps < 1, timeout <= 0, an unknown injection or one that cannot apply to the layout) is refused
-    before anything is launched or recorded (validation/inject.WhiteboxInputError, a ValueError)."""
+    before anything is launched or recorded (validation/inject.WhiteboxInputError, a ValueError).
+    `resume_from_layout` (KEY=VALUE,... or a config name) or `resume_checkpoint` (a step folder; climb): the
+    resume white-box (validation/resume.py), layout A saving after `resume_at` steps, `steps` (None: 2) after."""
     from curry_train.train.launch import LaunchError
     from curry_train.validation.whitebox import check_steps, run_whitebox
 
     check_steps(1 if steps is None else steps, timeout)  # None: whitebox.default_steps of the config
     cfg, name = resolve(config, overrides, root)
+    resuming = resume_from_layout is not None or resume_checkpoint is not None
+    layout = _saving_layout(cfg, resume_from_layout, root) if resume_from_layout is not None else None
     if inject:
         from curry_train.validation.inject import check
 
-        check(inject, cfg)
+        check(inject, cfg, resume=resuming)
     preflight(cfg, name)
+    if layout is not None:
+        preflight(layout, name)
     ledger = Ledger(root)
     rec = ledger.start("whitebox", cfg, name)
     try:
-        verdict = run_whitebox(cfg, steps=steps, run_dir=ledger.path.parent / rec.run_id, timeout=timeout,
-                               cancel=cancel, inject=inject, inject_target=inject_target)
+        if resuming:
+            from curry_train.validation.resume import run_resume_whitebox
+
+            verdict = run_resume_whitebox(cfg, run_dir=ledger.path.parent / rec.run_id, layout=layout,
+                                          checkpoint=Path(resume_checkpoint) if resume_checkpoint else None,
+                                          resume_at=resume_at, steps=steps or 2, timeout=timeout, cancel=cancel,
+                                          inject=inject, inject_target=inject_target)
+        else:
+            verdict = run_whitebox(cfg, steps=steps, run_dir=ledger.path.parent / rec.run_id, timeout=timeout,
+                                   cancel=cancel, inject=inject, inject_target=inject_target)
     except LaunchError as e:
         ledger.finish(rec.run_id, status="cancelled" if "cancelled" in str(e) else "failed", error=str(e)[:4000])
         raise
@@ -134,6 +149,20 @@ def whitebox(config: str, overrides: dict[str, Any] | None = None, *, steps: int
     verdict.config_overrides = dict(overrides or {})
     ledger.finish(rec.run_id, status="ok" if verdict.passed else "failed", metrics=verdict.model_dump(mode="json"))
     return verdict
+
+
+def _saving_layout(cfg: Config, spec: str, root: str | Path | None) -> Config:
+    """Layout A of a resume white-box: KEY=VALUE,... on `cfg` (validation/resume.layout_from) or a config name."""
+    from curry_train.validation.inject import WhiteboxInputError
+    from curry_train.validation.resume import layout_from
+
+    if "=" in spec or spec.strip() in ("", "single"):
+        return layout_from(cfg, spec)
+    try:
+        return layout_from(cfg, resolve(spec, None, root)[0])
+    except FileNotFoundError as e:
+        raise WhiteboxInputError(f"--resume-from-layout {spec!r} is neither KEY=VALUE (e.g. dp=2,zero=3) nor a "
+                                 f"config: {e}") from e
 
 
 def selftest(config: str = "tiny", *, nproc: int = 2, fault: str | None = None, fault_rank: int = 0,

@@ -296,9 +296,10 @@ def _norm(grads: dict[str, torch.Tensor]) -> float:
     return float(torch.sqrt(sum((g.double() ** 2).sum() for g in grads.values()))) if grads else 0.0
 
 
-def compare(cfg: Config, ref: dict[str, Any], par: dict[str, Any], steps: int) -> Verdict:
+def compare(cfg: Config, ref: dict[str, Any], par: dict[str, Any], steps: int, first: int = 0) -> Verdict:
     """Verdict of parallel results `par` (whitebox.parallel_job's file) against whitebox.reference's `ref`,
-    re-synchronised to `par`'s weights (docstring, "re-sync")."""
+    re-synchronised to `par`'s weights (docstring, "re-sync"). `first`: the optimizer step of the first compared
+    step, for the labels (a resumed run's steps continue its checkpoint's, validation/resume.py)."""
     bf16 = cfg.train.dtype == "bfloat16" and not bf16_cast_exact(cfg, bool(par.get("compiled")))  # else fp32
     tol = dict(BF16 if bf16 else FP32)
     c = _Checker(bf16, tol)
@@ -323,30 +324,31 @@ def compare(cfg: Config, ref: dict[str, Any], par: dict[str, Any], steps: int) -
     acts_ref, acts_par = list(ref.get("acts") or []), list(par.get("acts") or [])
     rank_scalars = list(par.get("rank_scalars") or [])
     for s in range(n):
+        t = first + s  # the step's own index, in every label
         c.stage = (s, -1)
         if s < len(acts_ref):
             for name in sorted(acts_ref[s], key=layer_order):  # forward order: the first failing is the origin
-                c.act(s, name, acts_ref[s][name], (acts_par[s] if s < len(acts_par) else {}).get(name))
+                c.act(t, name, acts_ref[s][name], (acts_par[s] if s < len(acts_par) else {}).get(name))
         c.stage = (s, 0)
         rg, pg = ref["grads"][s], par["grads"][s] or {}
         gn_ref.append(_norm(rg))
         gn_par.append(_norm(pg))
         bound = 1e-6 + tol["grad_norm_rtol"] * gn_ref[-1]
         if not c.used("grad_norm", abs(gn_ref[-1] - gn_par[-1]) / bound) <= 1.0:
-            c.failures.append(f"grad norm step {s}: {gn_par[-1]:.6g} vs reference {gn_ref[-1]:.6g}")
+            c.failures.append(f"grad norm step {t}: {gn_par[-1]:.6g} vs reference {gn_ref[-1]:.6g}")
         for rank, mine in enumerate(rank_scalars):  # every rank's own loss and the norm it clipped by
             if s < len(mine):
-                c.rank_scalar("rank_loss", s, rank, mine[s][0], losses_ref[s],
+                c.rank_scalar("rank_loss", t, rank, mine[s][0], losses_ref[s],
                               tol["loss_rtol"] * max(1.0, abs(losses_ref[s])))
-                c.rank_scalar("rank_clip_norm", s, rank, mine[s][1], gn_ref[-1], bound)
+                c.rank_scalar("rank_clip_norm", t, rank, mine[s][1], gn_ref[-1], bound)
         for name in sorted(rg, key=layer_order):  # every step: re-synchronised, both start from the same weights
-            c.grad(f"grad[step {s}]", name, rg[name], pg.get(name))
+            c.grad(f"grad[step {t}]", name, rg[name], pg.get(name))
         for name in sorted(set(pg) - set(rg)):
             c.failures.append(f"grad {name}: not a reference parameter (name mapping broken)")
         for rank, copies in sorted(((par.get("grad_replicas") or [{}] * n)[s] or {}).items()):
             for name in sorted(copies, key=layer_order):
                 if name in rg:
-                    c.grad(f"grad[step {s}, rank {rank}]", name, rg[name], copies[name], rank=rank)
+                    c.grad(f"grad[step {t}, rank {rank}]", name, rg[name], copies[name], rank=rank)
         c.stage = (s, 1)
         n_copies = sum((par["holders"][s] or {}).values())
         for name, g in rg.items():  # exact zeros and sign-free elements (docstring)
@@ -356,15 +358,15 @@ def compare(cfg: Config, ref: dict[str, Any], par: dict[str, Any], steps: int) -
         if bf16:  # no reference for bf16 weights (docstring); replicas must still be bitwise equal to each other
             for rank, copies in sorted((par["replicas"][s] or {}).items()):
                 for name in sorted(copies, key=layer_order):
-                    c._replica(f"param[step {s}, rank {rank}]", name, rank, 0.0, "")
+                    c._replica(f"param[step {t}, rank {rank}]", name, rank, 0.0, "")
             continue
         start, after, got = starts[s], ref["params"][s], par["params"][s] or {}
         for name in sorted(after, key=layer_order):
-            acc[name] = c.update(f"param[step {s}]", name, start[name], after[name], got.get(name), cap,
+            acc[name] = c.update(f"param[step {t}]", name, start[name], after[name], got.get(name), cap,
                                  cfg.train.lr, free=free.get(name), exact=zero.get(name), acc=acc.get(name))
         for rank, copies in sorted((par["replicas"][s] or {}).items()):
             for name in sorted(copies, key=layer_order):
-                c.update(f"param[step {s}, rank {rank}]", name, start[name], after[name], copies[name], cap,
+                c.update(f"param[step {t}, rank {rank}]", name, start[name], after[name], copies[name], cap,
                          cfg.train.lr, rank=rank, free=free.get(name), exact=zero.get(name), acc=acc.get(name))
     c.failures += policy_failures(cfg, par.get("fsdp_dtypes") or {})
     worst, first, rank = c.localise()

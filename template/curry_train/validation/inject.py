@@ -240,16 +240,26 @@ CATALOGUE: dict[str, Injection] = {i.name: i for i in (
     Injection("tp-partial-sum-1pct", "TP", "rank 1's partial sum of the middle block's attention.wo is 1% too "
               "large before the tp all-reduce (in bf16 too: tests/test_whitebox.py)", "tiny tp=2",
               {"config": "tiny", "parallel.tp": 2}, r"layers\.2", _needs_tp),
+    Injection("resume-drops-moments", "resume", "on resume one tensor's AdamW moments are not loaded (they restart "
+              "at 0; the resumed losses move ~1e-6, under the loss-only check)", "tiny tp=2 resumed from dp=2 "
+              "zero=3", {"config": "tiny", "parallel.tp": 2}, r"attention_norm"),
+    Injection("resume-step-reset", "resume", "on resume one tensor's AdamW step counter is not restored (it restarts "
+              "at 0: the bias correction of a first step)", "tiny tp=2 resumed from dp=2 zero=3",
+              {"config": "tiny", "parallel.tp": 2}, r"attention_norm"),
 )}
 
 
-def check(name: str, cfg: Config) -> Injection:
-    """The catalogue entry for `name` if it can apply to `cfg`; raises InjectionError saying why not."""
+def check(name: str, cfg: Config, resume: bool = False) -> Injection:
+    """The catalogue entry for `name` if it can apply to `cfg` (`resume`: a resume white-box, which the "resume"
+    family needs: they plant in the checkpoint load); raises InjectionError saying why not."""
     if name not in CATALOGUE:
         raise InjectionError(f"unknown injection {name!r}: use one of {', '.join(CATALOGUE)} "
                              "(--list-injections describes them)")
     inj = CATALOGUE[name]
     why = inj.needs(cfg)
+    if inj.family == "resume" and not resume:
+        why = "plants in the checkpoint load, which a white-box from the seed never runs: add " \
+              "--resume-from-layout (e.g. dp=2,zero=3)"
     if why:
         raise InjectionError(f"injection {name!r} ({inj.family}) does not apply to this layout: it {why}. "
                              f"Use its natural layout ({inj.layout}) or pick another injection (--list-injections).")

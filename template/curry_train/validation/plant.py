@@ -18,12 +18,13 @@ from curry_train.validation.planting import Planted, _patch, _rank
 
 
 @contextlib.contextmanager
-def planted(name: str | None, cfg: Config, target: str | None = None) -> Iterator[Planted]:
-    """Plant `name` for the duration of one rank job (module patches are restored on exit); none: no-op."""
+def planted(name: str | None, cfg: Config, target: str | None = None, resume: bool = False) -> Iterator[Planted]:
+    """Plant `name` for the duration of one rank job (module patches are restored on exit); none: no-op.
+    `resume`: the job loads a checkpoint (the "resume" family plants there)."""
     if not name:
         yield Planted()
         return
-    check(name, cfg)
+    check(name, cfg, resume=resume)
     with contextlib.ExitStack() as stack:
         from curry_train.validation.plant_numerics import PLANTERS as NUMERICS  # imports this module's helpers
 
@@ -287,6 +288,50 @@ def ddp_rank_sum(stack, cfg: Config, target: str | None) -> Planted:
     return Planted(after_setup=after)
 
 
+def _resume_target(cfg: Config, target: str | None) -> str:
+    """The tensor a resume bug hits: the middle block's attention norm weight by default (its moments move the
+    next loss by ~1e-6 relative only, so the loss-only resume check cannot see the bug)."""
+    from curry_train.model.gpt import build_meta_model
+
+    name = target or f"layers.{cfg.model.n_layers // 2}.attention_norm.weight"
+    known = [n for n, _ in build_meta_model(cfg).named_parameters()]
+    if name not in known:
+        raise InjectionError(f"resume planter: no parameter {name!r}; e.g. {known[0]}")
+    return name
+
+
+def _load_without(stack, keys: Any) -> None:
+    """The checkpoint load asks DCP for every key but those `keys(name)` names: they keep what the load state
+    created (train/checkpoint.py state_dict(for_load=True): zero moments, step 0), as a load whose key mapping
+    misses them would. Only the load is changed (for_load), never the save."""
+    from curry_train.train import checkpoint
+
+    exact = checkpoint.state_dict
+
+    def state_dict(par: Any, *, for_load: bool = False) -> dict[str, torch.Tensor]:
+        out = exact(par, for_load=for_load)
+        if for_load:
+            for k in keys:  # absent on ranks that do not own the tensor (ZeRO-1 partitions, other stages)
+                out.pop(k, None)
+        return out
+
+    _patch(stack, checkpoint, "state_dict", state_dict)
+
+
+def resume_drops_moments(stack, cfg: Config, target: str | None) -> Planted:
+    """One tensor's AdamW moments (exp_avg, exp_avg_sq) are not loaded on resume: they stay 0."""
+    name = _resume_target(cfg, target)
+    _load_without(stack, [f"optim.{name}.exp_avg", f"optim.{name}.exp_avg_sq"])
+    return Planted()
+
+
+def resume_step_reset(stack, cfg: Config, target: str | None) -> Planted:
+    """One tensor's AdamW step counter is not restored on resume: it restarts at 0, so its next update has the
+    bias correction 1 / (1 - beta^1) of a first step instead of 1 / (1 - beta^(k+1)) (Kingma & Ba 2015, Alg. 1)."""
+    _load_without(stack, [f"optim.{_resume_target(cfg, target)}.step"])
+    return Planted()
+
+
 PLANTERS = {
     "ddp-unreduced-grad": ddp_unreduced_grad,
     "zero1-no-weight-decay": zero1_no_weight_decay,
@@ -304,4 +349,6 @@ PLANTERS = {
     "clip-local-norm-fsdp": clip_local_norm,
     "clip-local-norm-tp": clip_local_norm,
     "ddp-rank-sum": ddp_rank_sum,
+    "resume-drops-moments": resume_drops_moments,
+    "resume-step-reset": resume_step_reset,
 }

@@ -47,5 +47,9 @@ class Verdict(BaseModel):
                                                     "verdict must then fail.")
     compiled: bool = Field(False, description="The ranks ran torch.compile'd blocks (train.compile resolved on "
                                               "their device); the reference is always eager.")
+    resume: dict[str, Any] | None = Field(None, description="The resume white-box (validation/resume.py): the "
+                                          "checkpoint, its step, which layout saved it and the checks run "
+                                          "(saved and loaded state bitwise, step counters and lr position); None "
+                                          "for a white-box from the seed.")
     run_id: str | None = None
     wall_s: float = 0.0

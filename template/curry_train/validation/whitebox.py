@@ -40,8 +40,11 @@ from curry_train.config import Config, from_dict
 from curry_train.validation.activations import ActivationProbe, probed_names
 from curry_train.validation.compare import compare
 from curry_train.validation.dtypes import fsdp_unit_dtypes
+from curry_train.validation.gather import _local_full, _merge_on_rank0, checksum, gather_full, replica_copies
 from curry_train.validation.horizon import default_steps, horizon_note
 from curry_train.validation.verdict import Verdict
+
+__all__ = ["checksum", "gather_full"]  # imported from here too (validation/gather.py holds them)
 
 
 @contextlib.contextmanager
@@ -68,110 +71,40 @@ def deterministic(device_type: str) -> Iterator[None]:
 
 
 # --------------------------------------------------------------------------- parallel side (inside the ranks)
-
-
-def _local_full(par, which: str) -> dict[str, torch.Tensor]:
-    """This rank's parameters (`which="param"`) or gradients (`"grad"`) at full shape under reference names.
-    All ranks must call it: full_tensor and the EP gathers are collectives."""
-    from curry_train.parallel.parallelize import canonical_name
-
-    local: dict[str, torch.Tensor] = {}
-    for part in par.parts:
-        for name, p in part.named_parameters():
-            t = p if which == "param" else p.grad
-            if t is None:
-                t = torch.zeros_like(p)
-            t = t.detach()
-            if hasattr(t, "full_tensor"):  # DTensor: FSDP shards and/or TP shards
-                t = t.full_tensor()
-            gather = getattr(p, "_curry_gather", None)  # e.g. expert shards over the ep group
-            if gather is not None:
-                t = gather(t)
-            local[canonical_name(name)] = t.float().cpu().clone()
-    return local
-
-
-def _merge_on_rank0(par, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
-    """Every name once, on rank 0 (pipeline stages merged); None off rank 0."""
-    import torch.distributed as dist
-
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return local
-    if par.topo.pp == 1:  # every rank holds every name already
-        return local if dist.get_rank() == 0 else None
-    parts: list[Any] = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    dist.gather_object(local, parts, dst=0)
-    if dist.get_rank() != 0:
-        return None
-    merged: dict[str, torch.Tensor] = {}
-    for d in parts:
-        for k, v in d.items():
-            merged.setdefault(k, v)
-    return merged
-
-
-def gather_full(par, which: str) -> dict[str, torch.Tensor] | None:
-    """Every parameter or gradient at full shape under its reference name, on rank 0 (None elsewhere)."""
-    return _merge_on_rank0(par, _local_full(par, which))
-
-
-def checksum(t: torch.Tensor) -> tuple[int, int, int]:
-    """A checksum of a tensor's bit pattern (not cryptographic: replicas that differ in any bit almost surely
-    differ here). Two int64 sums of the raw 32-bit words, one position-weighted, so a swap of elements counts."""
-    w = t.contiguous().view(torch.int32).flatten().to(torch.int64)
-    pos = torch.arange(1, w.numel() + 1, dtype=torch.int64)
-    return (w.numel(), int(w.sum()), int((w * (pos * 2654435761 % 2147483647)).sum()))
-
-
-def replica_copies(local: dict[str, torch.Tensor]) -> tuple[dict[int, dict[str, torch.Tensor]], dict[str, int]]:
-    """Check every rank's copy of every parameter: all ranks exchange checksums, and each copy whose bits differ
-    from the first holder's (in rank order) goes to rank 0. Returns ({rank: {name: copy}}, {name: holders}) on
-    rank 0, ({}, {}) elsewhere. A correct run ships no copies: replicas stay bitwise equal."""
-    import torch.distributed as dist
-
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return {}, {k: 1 for k in local}
-    rank, world = dist.get_rank(), dist.get_world_size()
-    sums = {k: checksum(v) for k, v in local.items()}
-    everyone: list[Any] = [None] * world
-    dist.all_gather_object(everyone, sums)
-    first: dict[str, Any] = {}
-    holders: dict[str, int] = {}
-    for theirs in everyone:
-        for k, c in theirs.items():
-            first.setdefault(k, c)
-            holders[k] = holders.get(k, 0) + 1
-    mine = {k: v for k, v in local.items() if sums[k] != first[k]}
-    got: list[Any] = [None] * world if rank == 0 else None
-    dist.gather_object(mine, got, dst=0)
-    if rank != 0:
-        return {}, {}
-    return {r: d for r, d in enumerate(got) if d}, holders
-
-
+# (what it reads out of the ranks: validation/gather.py)
 WHITEBOX_JOB = f"{__name__}:parallel_job"  # the rank-side job of a white-box spec (train/jobs.py resolves it)
 
 
 def parallel_job(spec: dict[str, Any]) -> dict[str, Any]:
     """Rank side: `steps` steps of the real training step (train.loop.train_step: zero-grad, micro-batches, clip,
     lr schedule, update), with the planted bug if any; its `after_backward` hook gathers the gradients before the
-    update, and every rank's parameters are gathered after it."""
+    update, and every rank's parameters are gathered after it. `resume` (a checkpoint): loaded first with the
+    product's own load (train/checkpoint.py), the steps continue from its step, and the loaded parameters and
+    AdamW state are gathered to full before any step; `save` (a folder): the state after the steps is saved there
+    (train/checkpoint.py save) and gathered too (validation/resume.py compares all of them)."""
     import torch.distributed as dist
 
     from curry_train.mesh import device_type
     from curry_train.model.gpt import build_meta_model
     from curry_train.parallel.parallelize import canonical_name
+    from curry_train.train import checkpoint
     from curry_train.train.loop import init_distributed, setup, train_step
+    from curry_train.validation.gather import optimizer_state_full
     from curry_train.validation.plant import planted
 
     cfg = from_dict(spec["config"])
-    with deterministic(device_type(cfg)), planted(spec.get("inject"), cfg, spec.get("inject_target")) as bug:
+    with deterministic(device_type(cfg)), planted(spec.get("inject"), cfg, spec.get("inject_target"),
+                                                      bool(spec.get("resume"))) as bug:
         device = init_distributed(cfg)
         par = setup(cfg, device, model_hook=bug.model_hook)
         bug.after_setup(par)
+        start, state = 0, {}
+        if spec.get("resume"):
+            start = checkpoint.load(par, spec["resume"])
+            state.update(start=start, loaded_params=gather_full(par, "param"), loaded=optimizer_state_full(par))
         probe = ActivationProbe(par.parts, cfg.model.d_model, canonical_name)
         names, tokens = probed_names(build_meta_model(cfg)), cfg.train.global_batch * cfg.train.seq_len
-        losses, grads, params, replicas, holders, grad_replicas, acts, scalars = [], [], [], [], [], [], [], []
+        losses, grads, params, replicas, holders, grad_replicas, acts, scalars, lrs = ([] for _ in range(9))
 
         def read_grads(loss: torch.Tensor) -> None:  # reads only: the step goes on with the same gradients
             acts.append(probe.take(names, tokens))  # this step's forward, summed over every rank's tokens
@@ -180,10 +113,11 @@ def parallel_job(spec: dict[str, Any]) -> dict[str, Any]:
             grad_replicas.append(replica_copies(local)[0])
 
         skip = probe.skipping_pipeline_inference() if par.topo.pp > 1 else contextlib.nullcontext()
-        for step in range(spec.get("steps", 2)):
-            with skip if step == 0 else contextlib.nullcontext():
+        for step in range(start, start + spec.get("steps", 2)):
+            with skip if step == start else contextlib.nullcontext():
                 r = train_step(par, step, after_backward=read_grads, read=True)  # every step's loss and norm
             losses.append(r.loss)
+            lrs.append(float(par.optimizer.param_groups[0]["lr"]))  # the schedule position the update used
             scalars.append((r.loss, r.grad_norm))  # this rank's own loss and the norm it clipped by
             local = _local_full(par, "param")  # after every update: the first wrong step is the one named
             params.append(_merge_on_rank0(par, local))
@@ -191,6 +125,9 @@ def parallel_job(spec: dict[str, Any]) -> dict[str, Any]:
             replicas.append(copies)
             holders.append(held)
         probe.close()
+        if spec.get("save"):
+            checkpoint.save(par, spec["save"], start + spec.get("steps", 2))
+            state["saved"] = optimizer_state_full(par)
         dtypes = fsdp_unit_dtypes(par.parts, canonical_name)
         rank_scalars: list[Any] = [scalars]
         if dist.is_initialized() and dist.get_world_size() > 1:
@@ -198,8 +135,8 @@ def parallel_job(spec: dict[str, Any]) -> dict[str, Any]:
             dist.all_gather_object(rank_scalars, scalars)
     if not dist.is_initialized() or dist.get_rank() == 0:
         path = Path(spec["out_dir"]) / f"parallel_{spec.get('tag', 'run')}.pt"
-        torch.save({"losses": losses, "grads": grads, "params": params, "replicas": replicas,
-                    "holders": holders, "grad_replicas": grad_replicas, "acts": acts,
+        torch.save({"losses": losses, "grads": grads, "params": params, "replicas": replicas, "lrs": lrs,
+                    "holders": holders, "grad_replicas": grad_replicas, "acts": acts, **state,
                     "rank_scalars": rank_scalars, "fsdp_dtypes": dtypes, "compiled": par.compiled}, path)
     return {"losses": losses}
 
@@ -208,7 +145,7 @@ def parallel_job(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def reference(cfg: Config, steps: int, weights: list[dict[str, torch.Tensor] | None] | None = None,
-              cast: str = "fp32") -> dict[str, Any]:
+              cast: str = "fp32", start: int = 0, init: dict[str, torch.Tensor] | None = None) -> dict[str, Any]:
     """The single-device reference: same seed, the step's global batch in order in micro-batches of
     train.micro_batch sequences (full length), fp32, plain AdamW, updated by the ranks' own optimizer step
     (train/optim.py optimizer_step: the same clip and lr schedule). On CUDA: one GPU, TF32 off, deterministic.
@@ -222,7 +159,11 @@ def reference(cfg: Config, steps: int, weights: list[dict[str, torch.Tensor] | N
     master weights too: "autocast" runs the forward under torch.autocast(bfloat16) (DDP, TP, PP, CP, single);
     "mp" computes with bfloat16 copies of every parameter (torch.func.functional_call over p.to(bfloat16), whose
     backward casts each gradient back to fp32: FSDP2's MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32),
-    which reduce-scatters every micro-step, parallel/parallelize.py grad_sync). The optimizer stays fp32."""
+    which reduce-scatters every micro-step, parallel/parallelize.py grad_sync). The optimizer stays fp32.
+
+    `start`, `init` (validation/resume.py): the steps are start .. start + steps - 1 (their data and lr), from a
+    checkpoint read to full tensors ({"model.<name>", "optim.<name>.exp_avg|exp_avg_sq|step"}): its weights and
+    AdamW state are loaded into the reference before the first of them."""
     from curry_train.mesh import device_type
     from curry_train.model.data import global_batch
     from curry_train.model.gpt import build_model
@@ -240,11 +181,13 @@ def reference(cfg: Config, steps: int, weights: list[dict[str, torch.Tensor] | N
         before = {k: p.detach().cpu().clone() for k, p in model.named_parameters()}
         weights_ref = list(model.parameters())
         opt = torch.optim.AdamW(weights_ref, **adamw_kwargs(weights_ref, cfg))  # the ranks' optimizer arguments
+        if init is not None:
+            before = _init_from(model, opt, init)
         losses, grads, params, starts, acts = [], [], [], [], []
-        for step in range(steps):
-            if weights is not None and step > 0:
-                _load(model, weights[step - 1] or {})
-            starts.append(before if step == 0 else {n: p.detach().cpu().clone() for n, p in model.named_parameters()})
+        for i, step in enumerate(range(start, start + steps)):
+            if weights is not None and i > 0:
+                _load(model, weights[i - 1] or {})
+            starts.append(before if i == 0 else {n: p.detach().cpu().clone() for n, p in model.named_parameters()})
             opt.zero_grad(set_to_none=True)
             inputs, targets = global_batch(cfg, step)  # [global_batch, T]: every sequence of the step
             k = inputs.shape[0] // mb  # micro-batches of mb sequences, in order
@@ -294,6 +237,19 @@ def _load(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
         w = weights.get(n)
         if w is not None and w.shape == p.shape:
             p.copy_(w.to(p.device, p.dtype))
+
+
+def _init_from(model: torch.nn.Module, opt: torch.optim.Optimizer, init: dict[str, torch.Tensor]) -> dict:
+    """Load a full checkpoint's weights and AdamW state (reference `init`) into the reference; returns the weights.
+    Through AdamW's own load_state_dict, which places each tensor as that optimizer keeps it (step on the CPU
+    unless fused)."""
+    _load(model, {k[len("model."):]: v for k, v in init.items() if k.startswith("model.")})
+    named = list(model.named_parameters())
+    state = {i: {k: init[f"optim.{n}.{k}"] for k in ("step", "exp_avg", "exp_avg_sq") if f"optim.{n}.{k}" in init}
+             for i, (n, _) in enumerate(named)}
+    opt.load_state_dict({"state": {i: st for i, st in state.items() if st},
+                         "param_groups": opt.state_dict()["param_groups"]})
+    return {n: p.detach().cpu().clone() for n, p in named}
 
 
 # --------------------------------------------------------------------------- drivers
