@@ -103,6 +103,13 @@ async def whitebox_compare(
                                                     "that the check catches it (the verdict must fail): "
                                                     + ", ".join(INJECTIONS) + ". Each needs its layout, e.g. "
                                                     "data-same-rows needs parallel.dp >= 2.")] = None,
+    resume_from_layout: Annotated[str | None, Field(description="Resume white-box: the layout that trains 2 steps "
+                                                                "and saves a checkpoint (KEY=VALUE,... of the "
+                                                                "parallel section, e.g. 'dp=2,zero=3', or 'single'); "
+                                                                "`config` + `overrides` then resume it for `steps` "
+                                                                "(default 2) more. The loaded weights and AdamW "
+                                                                "state must be the saved ones bit for bit and the "
+                                                                "resumed steps match one device.")] = None,
 ) -> WhiteboxVerdict:
     """Prove a parallel layout computes what one device computes: runs the config on its ranks and a single-process
     reference from the same seed and data, then compares the loss, every gradient (gathered to full shape) and
@@ -116,11 +123,12 @@ async def whitebox_compare(
         from curry_train.validation.inject import InjectionError, check
 
         try:
-            check(inject, resolve(config, overrides, root())[0])
+            check(inject, resolve(config, overrides, root())[0], resume=resume_from_layout is not None)
         except InjectionError as e:
             raise tool_error(e) from None
     _preflight(config, overrides)
-    out = await _long("whitebox", {"config": config, "steps": steps, "overrides": overrides, "inject": inject}, ctx,
+    out = await _long("whitebox", {"config": config, "steps": steps, "overrides": overrides, "inject": inject,
+                                   "resume_from_layout": resume_from_layout}, ctx,
                       deadline_s=timeout_s, label="whitebox_compare")
     return WhiteboxVerdict.model_validate(out)
 

@@ -38,7 +38,8 @@ def _whitebox(args: dict[str, Any], cancel: threading.Event, say: Say, root: str
 
     say(f"launching the parallel run and the single-device reference for {args['config']}")
     v = service.whitebox(args["config"], args.get("overrides") or {}, steps=args.get("steps"), root=root,
-                         timeout=args.get("timeout", 900.0), cancel=cancel, inject=args.get("inject"))
+                         timeout=args.get("timeout", 900.0), cancel=cancel, inject=args.get("inject"),
+                         resume_from_layout=args.get("resume_from_layout"))
     return v.model_dump(mode="json")
 
 

@@ -71,6 +71,7 @@ async def test_contract_argument_names_and_defaults(client):
         {"steps": 5, "warmup": 1, "overrides": {}}
     assert props["whitebox_compare"]["steps"]["default"] is None  # validation/horizon.py default_steps
     assert props["whitebox_compare"]["inject"]["default"] is None
+    assert props["whitebox_compare"]["resume_from_layout"]["default"] is None  # validation/resume.py
     assert tools["update_config"]["required"] == ["name", "changes"]
     assert set(tools["runs_diff"]["required"]) == {"run_a", "run_b"}
     assert tools["bench"]["required"] == ["config"]
@@ -131,6 +132,9 @@ async def test_whitebox_injection_that_cannot_apply_fails_before_any_process_sta
     r = await client.call_tool("whitebox_compare", {"config": "tiny", "inject": "ep-expert-unreduced",
                                                     "overrides": {"parallel.dp": 2}})
     assert r.is_error and "dense" in _text(r), _text(r)
+    r = await client.call_tool("whitebox_compare", {"config": "tiny", "inject": "resume-drops-moments",
+                                                    "overrides": {"parallel.tp": 2}})
+    assert r.is_error and "--resume-from-layout" in _text(r), _text(r)  # a load bug needs a resume white-box
     assert not (project / "runs" / "ledger.sqlite3").exists()  # nothing recorded, nothing launched
 
 

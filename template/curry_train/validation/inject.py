@@ -259,7 +259,7 @@ def check(name: str, cfg: Config, resume: bool = False) -> Injection:
     why = inj.needs(cfg)
     if inj.family == "resume" and not resume:
         why = "plants in the checkpoint load, which a white-box from the seed never runs: add " \
-              "--resume-from-layout (e.g. dp=2,zero=3)"
+              "--resume-from-layout (whitebox_compare: resume_from_layout), e.g. dp=2,zero=3"
     if why:
         raise InjectionError(f"injection {name!r} ({inj.family}) does not apply to this layout: it {why}. "
                              f"Use its natural layout ({inj.layout}) or pick another injection (--list-injections).")

@@ -45,6 +45,7 @@ import torch
 
 from curry_train.config import Config, from_dict
 from curry_train.validation.compare import _exact, compare
+from curry_train.validation.horizon import horizon_note
 from curry_train.validation.inject import WhiteboxInputError
 from curry_train.validation.verdict import Verdict
 from curry_train.validation.whitebox import WHITEBOX_JOB, check_steps, single_device_reference
@@ -189,10 +190,11 @@ def resume_verdict(cfg: Config, par_b: dict[str, Any], ckpt: dict[str, torch.Ten
     if par_a is not None and cfg_a is not None:
         va = compare(cfg_a, single_device_reference(cfg_a, step, weights=list(par_a.get("params") or [])), par_a,
                      step)
-    return _merge(va, vb, failures, use, step)
+    return _merge(va, vb, failures, use, step, cfg)
 
 
-def _merge(va: Verdict | None, vb: Verdict, failures: list[str], use: dict[str, float], step: int) -> Verdict:
+def _merge(va: Verdict | None, vb: Verdict, failures: list[str], use: dict[str, float], step: int,
+           v_cfg: Config) -> Verdict:
     """One verdict over A's steps (prefixed "layout A:"), the resume checks, and B's steps."""
     v = vb.model_copy(deep=True)
     first = [f"layout A (before the save): {f}" for f in (va.failures if va else [])]
@@ -212,6 +214,7 @@ def _merge(va: Verdict | None, vb: Verdict, failures: list[str], use: dict[str, 
             v.worst_parameter, v.first_diverging_layer, v.diverging_rank = \
                 va.worst_parameter, va.first_diverging_layer, va.diverging_rank
     v.steps = len(v.losses_parallel) if va is not None else vb.steps
+    v.horizon = f"{horizon_note(v_cfg, step + vb.steps)}; steps {step}..{step + vb.steps - 1} resumed"
     v.resume = {"step": step, "saved_by": "layout A" if va is not None else "the checkpoint",
                 "world_size_saved": va.world_size if va is not None else None, "checks": sorted(use)}
     return v
