@@ -226,8 +226,11 @@ def run_resume_whitebox(cfg: Config, *, run_dir: Path, layout: Config | None = N
                         inject_target: str | None = None) -> Verdict:
     """Save in `layout` after `resume_at` steps and resume in `cfg`'s layout for `steps` more (phase A + B), or
     resume `checkpoint` (phase B only: climb). Launches with torchrun (the tools) or the forkserver (tests)."""
+    import time
+
     from curry_train.train.checkpoint import find_checkpoint
 
+    t0 = time.perf_counter()
     check_steps(steps, timeout)
     if not isinstance(resume_at, int) or resume_at < 1:
         raise WhiteboxInputError(f"--resume-at {resume_at}: layout A trains at least 1 step before it saves "
@@ -246,7 +249,7 @@ def run_resume_whitebox(cfg: Config, *, run_dir: Path, layout: Config | None = N
             run_dir / "resume", timeout, cancel)
     par_b = torch.load(run_dir / "resume" / "parallel_b.pt", weights_only=False)
     v = resume_verdict(cfg, par_b, read_checkpoint(folder, run_dir), step, steps, par_a, cfg_a)
-    v.injection = inject
+    v.injection, v.wall_s = inject, time.perf_counter() - t0
     v.resume["checkpoint"] = str(folder)
     return v
 
