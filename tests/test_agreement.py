@@ -104,6 +104,20 @@ def test_a_removal_inside_the_tie_band_is_not_advised():
         assert "tp=8: without it" in r.reason and "gain a change must bring" in r.reason
 
 
+def test_a_removal_may_pay_through_the_micro_batch_it_leaves_room_for():
+    # Issue 25 Deliver 4: a removal that frees memory the user can spend. tiny on one 6 MiB device with selective
+    # recompute: dropping it alone gains under REMOVE_GAIN, doubling the micro-batch alone gains less still, but
+    # both together fit and gain more than REMOVE_GAIN, and the reason says what is gained
+    r = recommend_next("tiny", None, {"parallel.recompute": "selective", "train.micro_batch": 1,
+                                      "hardware.gpu_memory_gib": 0.006})
+    assert r.action == "remove" and r.config_patch == {"parallel.recompute": "none", "train.micro_batch": 2}
+    assert r.step_time_after_s <= r.step_time_before_s * (1 - REMOVE_GAIN) and r.fits_after
+    assert "the larger micro-batch fits and pays only without it" in r.reason
+    alone = {a.change: a for a in r.alternatives}
+    for name in ("remove recompute recompute=none", "double micro_batch to 2"):
+        assert alone[name].step_time_s > r.step_time_before_s * (1 - REMOVE_GAIN), (name, alone[name].text)
+
+
 # ----------------------------------------------------------------------------------------------- presets
 
 
