@@ -18,6 +18,9 @@ The ladder (skills/stage4-parallel-primitive-intro; its gates in curry_train/rul
                                estimate is within the estimator's error band of the limit (search.PEAK_ERROR_BAND,
                                3%: benchmarks/estimator_accuracy.py's target) and climbs to clear the band; far
                                below it asks for measured_peak_bytes and names the rung `if_confirmed`.
+  a fit inside the band     -> with no OOM evidence the answer may be `none`, but it carries a `caution`: an estimate
+                               that close is not evidence that it fits; bench it, and `if_confirmed` is the rung a
+                               reported OOM gets there (decide.band_rung).
   slow                      -> advice/tune.py weighs idle GPUs, the bubble, the micro-batch, HSDP, TP inside the
                                node, PP across nodes, EP, each with its estimate, and every removal the no-symptom
                                path weighs; when no single primitive gains, the planner's layout; the faster wins.
