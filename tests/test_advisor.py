@@ -315,6 +315,12 @@ def test_a_fit_inside_the_error_band_with_no_symptom_says_it_is_not_evidence_and
     assert main(["recommend", "--config", "llama3-8b", *sum((["--set", f"{k}={v}"] for k, v in LONG_8B.items()),
                                                              [])]) == 0
     assert "if the measurement runs out of memory, the next rung is cp" in capsys.readouterr().out
+    # plan on the same cluster, sequence and batch keeps its final clear of the band (issue 25.7): CP, with room
+    from curry_train.advice.planner import plan
+
+    p = plan("llama3-8b", 8, 1, 80.0, 131072, 8, gpu="H100")
+    final = next(x for x in p.ranked if x.final)
+    assert p.final["cp"] > 1 and final.headroom_gib >= PEAK_ERROR_BAND * p.usable_gib
     # clear of the band: no caution (the preset at its own 8192 tokens)
     clear = recommend_next("llama3-8b", None)
     assert clear.memory_before_bytes <= clear.usable_bytes * (1 - PEAK_ERROR_BAND) and not clear.caution
