@@ -23,6 +23,13 @@ For each: `plan` on the setup's cluster, sequence, batch and micro-batch, and
   anti          the anti-patterns of `final` (curry_train.rules.anti_patterns; target none)
   over          ranked rows `plan` lists as fitting that the full estimate of the same layout (`estimate`: every
                 pipeline rank, step and init peak) says do not fit (target 0)
+The published/#1 target applies to every setup unless a published measurement shows a layout class faster than
+the published layout (EXCEPTIONS: its source, the measured ratio and, live, the estimator's ratio: the published
+layout's step over the best row of that class). The exception holds only while the estimator's ratio is within
+EXCEPTION_TOLERANCE of the measured one; while it holds, the target holds #1 against that class's best row
+instead (the measurement vouches for the gap to that class, not for any further gap to #1), so it cannot hide a
+regression on either side. The JSON line gives both: `max_published_over_best` (every setup, raw) and
+`max_published_over_best_targeted` (the figure the target applies to).
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ import inspect
 import json
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 GiB = 2**30
@@ -63,6 +71,56 @@ SETUPS: list[tuple[str, str, str, float, tuple[int, int, int] | None, dict[str, 
       "parallel.zero": 3, "parallel.tp": 8, "parallel.sp": True, "parallel.recompute": "full",
       "hardware.nodes": 32}, 71.9),  # Float8 + torch.compile in the source: indicative
 ]
+
+
+# Setups whose published layout a published measurement shows slower than a layout of #1's class:
+# setup -> (#1's class, the measured row of published_throughput.py, the published layout's row there, caveats).
+# The ratio is measured / published throughput per GPU, read from published_throughput.ROWS (one home).
+EXCEPTIONS: dict[str, tuple[str, str, str, str]] = {
+    # Zhao et al. 2023 (arXiv:2304.11277) sec. 5.4: FSDP alone (full sharding, prefetch, activation checkpointing,
+    # bf16, Adam) at 175B, >173 TFLOP/s per GPU at batch 1 and >186 at batch 2, "linear" from 128 to 512 A100-80
+    # GB; OPT-175B (Zhang et al. 2022, sec. 2.4) up to 147 with Megatron TP 8 x FSDP on 992 A100-80 GB. Ratio
+    # 1.18 at batch 1 (1.27 at batch 2). Comparable: the GPU, the size, recompute, and batch 1 is OPT's tokens per
+    # GPU per step (992 sequences of 2048 over 992 GPUs). Caveats: minGPT's 175B (GeLU MLP, vocab 50,000) in a
+    # benchmark run, not OPT's production run with its data pipeline; a different cluster (2 Tb/s RoCE per node)
+    # and software generation (PyTorch FSDP 2023 vs FairScale FSDP + Megatron TP); 512 GPUs, not 992 (linear
+    # scaling to 992 is extrapolated); neither paper states its FLOPs formula (Zhao's "55%" of 312 reads as
+    # hardware FLOPs, recompute counted; OPT's as Megatron's). So the exception uses batch 1, the closer of the two.
+    "opt-175b": ("fsdp", "fsdp-175b-512-mb1", "opt-175b",
+                 "Zhao et al. 2023 (arXiv:2304.11277) sec. 5.4 vs Zhang et al. 2022 (arXiv:2205.01068) sec. 2.4"),
+}
+EXCEPTION_TOLERANCE = 0.10  # the estimator's ratio within 10% of the measured one
+
+
+def layout_class(par: dict[str, Any]) -> str:
+    """The kind of layout a row is: FSDP (or DDP) alone, or the model-parallel primitives it adds."""
+    extra = [k for k in ("tp", "pp", "cp", "ep") if par.get(k, 1) > 1]
+    return "+".join(extra) if extra else "fsdp"
+
+
+def measured_ratio(setup: str) -> float | None:
+    """The published measurement's throughput over the published layout's (published_throughput.ROWS)."""
+    if setup not in EXCEPTIONS:
+        return None
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from published_throughput import ROWS
+
+    figures = {r[0]: r[4] for r in ROWS}
+    _cls, faster, published, _src = EXCEPTIONS[setup]
+    return figures[faster] / figures[published]
+
+
+def exception_holds(r: dict[str, Any]) -> bool:
+    """Whether the setup's exception holds: a measured ratio, a ranked row of its class, and the estimator's ratio
+    (published step over that class's best row) within EXCEPTION_TOLERANCE of the measured ratio."""
+    ratio, est = r.get("measured_ratio"), r.get("estimated_ratio")
+    return ratio is not None and est is not None and abs(est / ratio - 1) <= EXCEPTION_TOLERANCE
+
+
+def targeted(r: dict[str, Any]) -> float | None:
+    """The figure the published/#1 target holds: published over #1, or where the exception holds, the measured
+    class's best row over #1."""
+    return r.get("class_best_over_best") if exception_holds(r) else r.get("published_over_best")
 
 
 def _shape(par: dict[str, Any]) -> tuple[int, int, int, int]:
@@ -122,6 +180,13 @@ def run_one(name: str, preset: str, gpu: str, mem: float, published: tuple[int, 
         rank = next((i for i, r in enumerate(rows) if _shape(r.parallel) == (tp, pp, dp, 1)), None)
         out["published_rank"] = None if rank is None else rank + 1
         out["published_over_best"] = None if rank is None or not rows else rows[rank].step_time_s / rows[0].step_time_s
+        out["best_class"] = layout_class(rows[0].parallel) if rows else None
+        out["measured_ratio"] = measured_ratio(name)
+        cls = EXCEPTIONS[name][0] if name in EXCEPTIONS else None
+        of_class = [r.step_time_s for r in rows if cls and layout_class(r.parallel) == cls]
+        if rank is not None and of_class:
+            out["estimated_ratio"] = rows[rank].step_time_s / min(of_class)
+            out["class_best_over_best"] = min(of_class) / rows[0].step_time_s
     if measured is not None:
         e = estimate(load_any(base))
         est = e.memory.total / GiB
@@ -163,6 +228,16 @@ def main(argv: list[str] | None = None) -> int:
                   + (f"  idle: {r['idle_reason']}" if r.get("idle_reason") else ""))
     ratios = [r["final_over_clean"] for r in rows if r["final_over_clean"] is not None]
     pubs = [r["published_over_best"] for r in rows if r.get("published_over_best") is not None]
+    held = [targeted(r) for r in rows if targeted(r) is not None]
+    if not a.json:
+        for r in rows:
+            if r.get("measured_ratio") is not None:
+                cls, src = EXCEPTIONS[r["setup"]][0], EXCEPTIONS[r["setup"]][3]
+                print(f"exception {r['setup']}: published over the best {cls} row, measured {r['measured_ratio']:.3f} "
+                      f"({src}), estimated {_fmt(r.get('estimated_ratio'), '.3f')}: "
+                      + (f"holds; #1 ({r['best_class']}) over the best {cls} row "
+                         f"{_fmt(r.get('class_best_over_best'), '.3f')} is held to the target" if exception_holds(r)
+                         else f"does not hold (outside {EXCEPTION_TOLERANCE:.0%}): published/#1 is held"))
     mems = [abs(r["memory_error"]) for r in rows if "memory_error" in r]
     worst = {
         "benchmark": "published_layouts",
@@ -170,6 +245,8 @@ def main(argv: list[str] | None = None) -> int:
         "setups_with_idle_gpus_and_no_reason": sum(r["gpus_used"] < r["gpus"] and not r["idle_reason"] for r in rows),
         "max_final_over_best_clean": round(max(ratios), 4) if ratios else None,
         "max_published_over_best": round(max(pubs), 4) if pubs else None,
+        "max_published_over_best_targeted": round(max(held), 4) if held else None,
+        "published_exceptions": [r["setup"] for r in rows if exception_holds(r)],
         "published_absent": [r["setup"] for r in rows if r.get("published_rank", 0) is None],
         "not_expressible": [r["setup"] for r in rows if "published" in r],
         "max_memory_error": round(max(mems), 4) if mems else None,

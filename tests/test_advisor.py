@@ -292,3 +292,35 @@ def test_every_symptom_returns_a_valid_primitive(symptom):
     assert r.primitive in ("none", "recompute", "zero", "zero1", "zero2", "zero3", "tp", "pp", "ep", "cp", "dp",
                            "micro_batch")
     assert r.action in ("add", "remove", "none") and all(a.text for a in r.alternatives)
+
+
+LONG_8B = {"train.seq_len": 131072, "train.global_batch": 8}  # the preset on 8 H100, 97.6% of usable
+
+
+def test_a_fit_inside_the_error_band_with_no_symptom_says_it_is_not_evidence_and_names_the_oom_rung(capsys):
+    # Issue 25 item 3: an estimate within its error band of the limit is not evidence that it fits. The answer stays
+    # `none` (nothing says it runs out of memory) but carries the band, where it comes from, "run bench" and the
+    # rung a reported OOM gets at the same point (decide.oom_evidence's within_band)
+    from curry_train.advice.search import PEAK_ERROR_BAND
+    from curry_train.cli import main
+
+    r = recommend_next("llama3-8b", None, LONG_8B)
+    assert r.action == "none" and r.usable_bytes * (1 - PEAK_ERROR_BAND) < r.memory_before_bytes <= r.usable_bytes
+    oom = recommend_next("llama3-8b", "oom", LONG_8B)
+    assert oom.evidence == "within_band" and oom.config_patch
+    assert r.if_confirmed == oom.config_patch and r.caution and r.caution in r.reason
+    assert f"{PEAK_ERROR_BAND:.0%} error band" in r.caution and "PEAK_ERROR_BAND" in r.caution
+    assert "run bench" in r.caution and "if the measurement runs out of memory" in r.caution
+    assert "parallel.cp=2" in r.caution
+    assert main(["recommend", "--config", "llama3-8b", *sum((["--set", f"{k}={v}"] for k, v in LONG_8B.items()),
+                                                             [])]) == 0
+    assert "if the measurement runs out of memory, the next rung is cp" in capsys.readouterr().out
+    # plan on the same cluster, sequence and batch keeps its final clear of the band (issue 25.7): CP, with room
+    from curry_train.advice.planner import plan
+
+    p = plan("llama3-8b", 8, 1, 80.0, 131072, 8, gpu="H100")
+    final = next(x for x in p.ranked if x.final)
+    assert p.final["cp"] > 1 and final.headroom_gib >= PEAK_ERROR_BAND * p.usable_gib
+    # clear of the band: no caution (the preset at its own 8192 tokens)
+    clear = recommend_next("llama3-8b", None)
+    assert clear.memory_before_bytes <= clear.usable_bytes * (1 - PEAK_ERROR_BAND) and not clear.caution

@@ -72,6 +72,37 @@ def test_after_the_first_step_a_silent_rank_fails_its_peers_within_the_train_tim
     assert out[0]["error"] is not None and "timed out" in out[0]["error"].lower(), out[0]
 
 
+def _every_group_timeout(rank: int, world: int, raw: dict) -> dict:
+    """After set_train_timeout: the timeout of every view's group build_mesh made (the flattened dp x cp, HSDP's
+    replicate and shard groups, EP's ep and edp x cp groups) and of the checkpoint's gloo group."""
+    import torch.distributed as dist
+    from curry_train.config import from_dict as build
+    from curry_train.mesh import Topology, build_mesh, dp_cp_mesh, ep_meshes, fsdp_mesh
+    from curry_train.train import checkpoint
+    from curry_train.train.comm_init import pg_timeout, set_train_timeout
+
+    cfg = build(raw)
+    assert dist.is_initialized()  # the forkserver rank joined at its own init timeout
+    mesh = build_mesh(Topology(dp=2, ep=2), "cpu", dp_replicate=2, experts=True)
+    early = checkpoint._ckpt_group()  # made before the first step: at the default group's (init) timeout
+    at_init = pg_timeout(early) == pg_timeout()
+    set_train_timeout(cfg, mesh)
+    (ep, edp), hsdp = ep_meshes(mesh, 2), fsdp_mesh(mesh, 2)
+    views = {"dp_cp": dp_cp_mesh(mesh).get_group(0), "hsdp_replicate": hsdp.get_group(0),
+             "hsdp_shard": hsdp.get_group(1), "ep": ep.get_group(0), "edp_cp": edp.get_group(0), "checkpoint": early}
+    return {"at_init": at_init, **{k: pg_timeout(g).total_seconds() for k, g in views.items()}}
+
+
+@pytest.mark.multirank
+def test_every_group_the_mesh_and_the_checkpoint_make_gets_the_train_timeout():
+    cfg = from_dict({"parallel": {"dp": 2}, "comm": {"init_timeout_s": 120, "train_timeout_s": 7},
+                     "hardware": {"device": "cpu"}})
+    out = launch_forkserver(_every_group_timeout, 2, cfg.to_dict(), timeout=120)
+    for r in out:
+        assert r.pop("at_init")  # a group made outside the mesh starts at the default group's timeout
+        assert r == dict.fromkeys(r, 7), r  # not torch's 30-minute gloo default
+
+
 def test_init_distributed_gives_up_after_the_init_timeout_when_a_rank_never_joins(monkeypatch):
     """Rank 0 of a 2-rank job whose peer never starts: the rendezvous fails in comm.init_timeout_s, naming it."""
     import torch.distributed as dist

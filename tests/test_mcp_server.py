@@ -330,6 +330,17 @@ async def test_recommend_next_follows_the_ladder_from_a_single_device_oom(client
 
 
 @pytest.mark.anyio
+async def test_recommend_next_cautions_a_fit_inside_the_error_band_and_names_the_oom_rung(client):
+    # the MCP answer carries what the CLI prints: `none`, the caution with the band, and the rung if it runs out
+    r = await client.call_tool("recommend_next", {"config": "llama3-8b", "overrides": {"train.seq_len": 131072,
+                                                                                      "train.global_batch": 8}})
+    assert not r.is_error, _text(r)
+    out = r.structured_content
+    assert out["action"] == "none" and "error band" in out["caution"] and out["caution"] in out["reason"]
+    assert out["if_confirmed"].get("parallel.cp") == 2 and "run bench" in out["caution"]
+
+
+@pytest.mark.anyio
 async def test_plan_climbs_on_paper_and_draws_the_pipeline_bubble(client):
     args = {"model": "llama3-70b", "gpus_per_node": 8, "nodes": 4, "gpu_memory_gib": 80, "seq_len": 4096,
             "global_batch": 256}

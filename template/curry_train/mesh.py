@@ -116,6 +116,21 @@ def _view(mesh, key: Any, what: str):
     return views[key]
 
 
+def process_groups(mesh) -> list:
+    """Every process group build_mesh created, once each: each dimension of the mesh and of every view it built
+    (the flattened dp x cp, the pp view, HSDP's replicate and shard groups, EP's ep and edp x cp groups)."""
+    meshes = [mesh]
+    for v in (mesh.__dict__.get(_VIEWS) or {}).values():
+        meshes += list(v) if isinstance(v, tuple) else [v]
+    out: list = []
+    for m in meshes:
+        for i in range(m.ndim):
+            g = m.get_group(i)
+            if all(g is not x for x in out):
+                out.append(g)
+    return out
+
+
 def expert_rank_grid(topo: Topology) -> torch.Tensor:
     """Global ranks [pp, edp, ep, cp, tp]: build_mesh's row-major (pp, dp, cp, tp) order with dp unflattened into
     (edp, ep), ep fastest, as ep_meshes does; for code that needs the layout without creating process groups."""

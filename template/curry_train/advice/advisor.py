@@ -18,6 +18,9 @@ The ladder (skills/stage4-parallel-primitive-intro; its gates in curry_train/rul
                                estimate is within the estimator's error band of the limit (search.PEAK_ERROR_BAND,
                                3%: benchmarks/estimator_accuracy.py's target) and climbs to clear the band; far
                                below it asks for measured_peak_bytes and names the rung `if_confirmed`.
+  a fit inside the band     -> with no OOM evidence the answer may be `none`, but it carries a `caution`: an estimate
+                               that close is not evidence that it fits; bench it, and `if_confirmed` is the rung a
+                               reported OOM gets there (decide.band_rung).
   slow                      -> advice/tune.py weighs idle GPUs, the bubble, the micro-batch, HSDP, TP inside the
                                node, PP across nodes, EP, each with its estimate, and every removal the no-symptom
                                path weighs; when no single primitive gains, the planner's layout; the faster wins.
@@ -42,9 +45,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field
 
 from curry_train.advice.beyond import OneGpuAnswer, one_gpu_answer
-from curry_train.advice.decide import Alt, Ctx, Primitive, oom_evidence
+from curry_train.advice.decide import Alt, Ctx, Primitive, band_rung, oom_evidence
 from curry_train.advice.tune import decide
-from curry_train.advice.wording import _gib, _set, render, render_rejected
+from curry_train.advice.wording import _gib, _set, render, render_caution, render_rejected
 from curry_train.config import Config
 from curry_train.estimator import Estimate, GiB, estimate, load_any, with_gpu
 from curry_train.estimator.profiles import get_profile
@@ -108,8 +111,12 @@ class Recommendation(BaseModel):
                           "reported OOM the estimate does not show: measure it); empty when nothing does.")
     improvement: bool = Field(False, description="True when nothing is wrong and the change is an optional "
                               "speed-up of a layout that fits and runs.")
-    if_confirmed: dict[str, Any] = Field(default_factory=dict, description="For an unconfirmed OOM: the next "
-                                         "rung's patch, to apply if the measurement confirms it.")
+    if_confirmed: dict[str, Any] = Field(default_factory=dict, description="For an unconfirmed OOM, or a fit "
+                                         "inside the estimator's error band (`caution`): the next rung's patch, to "
+                                         "apply if a measurement shows the OOM.")
+    caution: str = Field("", description="Set when nothing is to change but the estimate fits inside the "
+                         "estimator's error band of the limit (advice/search.py PEAK_ERROR_BAND): not evidence that "
+                         "it fits; bench it, and `if_confirmed` is the rung if the measurement runs out of memory.")
     validation: Validation | None = None
     one_gpu: OneGpuAnswer | None = Field(None, description="When only more GPUs help: what fits on one GPU of "
                                          "this type and the options beyond this template's ladder (LoRA, QLoRA, "
@@ -168,6 +175,11 @@ def recommend_next(config: str | Path | dict[str, Any] | Config, symptom: Sympto
     primitive, patch, more = d.primitive, d.patch, d.more_gpus
     after = d.after or est
     action = "remove" if d.action == "remove" else ("add" if patch else "none")
+    if_confirmed, caution = d.facts.get("next_patch", {}), ""
+    band = band_rung(c) if action == "none" and not evidence else None
+    if band is not None:  # a fit this close to the limit is not evidence that it fits: measure it
+        caution = render_caution(est, band)
+        reason, if_confirmed = f"{reason} {caution}", band.patch
     name = config if isinstance(config, str) else "<config>"
     all_patch = {**(overrides or {}), **patch}
     validation = None
@@ -192,5 +204,5 @@ def recommend_next(config: str | Path | dict[str, Any] | Config, symptom: Sympto
         alternatives=_alternatives(c.alts, est, patch), min_nodes_to_fit=d.facts.get("min_nodes"),
         gpu_profile=est.gpu_profile or est.hardware.name, validation=validation, evidence=evidence,
         improvement=bool(patch) and not evidence and asked in (None, "none") and action != "none",
-        if_confirmed=d.facts.get("next_patch", {}),
+        if_confirmed=if_confirmed, caution=caution,
         one_gpu=one_gpu_answer(cfg, hardware=hardware, probe=probe) if more else None)

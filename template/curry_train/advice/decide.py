@@ -63,6 +63,11 @@ class Alt:
     refused: str = ""
 
 
+def band_edge(est: Estimate) -> int:
+    """The peak above which an estimate is inside PEAK_ERROR_BAND of the usable budget: not evidence either way."""
+    return int(est.usable_bytes * (1 - PEAK_ERROR_BAND))
+
+
 def oom_evidence(est: Estimate, symptom: str | None, measured: int | None) -> tuple[str, int]:
     """(what says the config runs out of memory, the peak the next rung must stay under). A measured peak over
     the usable budget is an OOM whatever the symptom; a reported OOM is believed when the estimate is inside
@@ -75,7 +80,7 @@ def oom_evidence(est: Estimate, symptom: str | None, measured: int | None) -> tu
         return "measured", max(0, total - max(measured - usable, 1))  # lower the peak by the measured excess
     if symptom != "oom":
         return "", usable
-    edge = int(usable * (1 - PEAK_ERROR_BAND))
+    edge = band_edge(est)
     if total > edge:
         return "within_band", edge
     return "unconfirmed", usable
@@ -316,6 +321,16 @@ def oom(c: Ctx) -> Decision:
     return Decision("none", {}, None, "oom_exhausted", {"zero": p.zero, "recompute": p.recompute, "tp": p.tp,
                                                         "pp": p.pp, "cp": p.cp, "ep": p.ep, "min_nodes": nodes,
                                                         "gpus_per_node": h.gpus_per_node, "nodes": h.nodes}, True)
+
+
+def band_rung(c: Ctx) -> Decision | None:
+    """For an answer that changes nothing while the estimate fits inside PEAK_ERROR_BAND of the usable budget:
+    the rung a reported OOM gets there (oom_evidence's 'within_band', the same target: clear of the band), to take
+    if a measurement runs out of memory. An estimate that close is not evidence that it fits. None outside it."""
+    edge = band_edge(c.est)
+    if not edge < c.est.memory.total <= c.est.usable_bytes:
+        return None
+    return oom(Ctx(c.cfg, c.est, edge, c.hardware, c.probe, c.symptom_given))  # its own alternatives, not these
 
 
 def _tp_patches(cfg: Config) -> list[dict[str, Any]]:

@@ -22,7 +22,7 @@ from typing import Any
 from pydantic import BaseModel, Field
 
 from curry_train.advice.beyond import OneGpuAnswer, one_gpu_answer
-from curry_train.advice.search import PEAK_ERROR_BAND, PEAK_ERROR_MEASURED, Row, choose, label, min_nodes_to_fit, search
+from curry_train.advice.search import PEAK_ERROR_BAND, Row, choose, label, min_nodes_to_fit, search
 from curry_train.config import Config, ModelConfig, from_dict, load_yaml
 from curry_train.estimator import GiB, estimate, reserve_bytes, resolve_hardware
 from curry_train.estimator.profiles import check_cluster, get_profile
@@ -76,7 +76,9 @@ class Plan(BaseModel):
     micro_batch_given: int | None = Field(None, description="The micro-batch the caller gave (None: none given).")
     micro_batch_searched: bool = Field(description="Whether the micro-batch was searched (search_micro_batch); "
                                        "otherwise every row keeps the given one.")
-    usable_gib: float = Field(0.0, description="What a peak must stay under: budget - reserve, minus the margin.")
+    usable_gib: float = Field(0.0, description="What final's peak must stay under: budget - its reserve "
+                              "(reserve_of: the communicators it opens), minus the margin; each row of `ranked` "
+                              "has its own headroom.")
     rungs: list[Rung]
     final: dict[str, Any] = Field(description="The parallel section to run (config keys).")
     final_patch: dict[str, Any] = Field(default_factory=dict, description="Dotted keys (parallel.* and "
@@ -257,8 +259,9 @@ def _heaviest(base: Config) -> dict[str, Any]:
 
 
 def _ranked(r: Row, usable: float, final: Row | None) -> RankedLayout:
+    own = usable if r.usable is None else r.usable  # the row's own reserve, as its fit and its band use
     return RankedLayout(parallel=r.parallel, micro_batch=r.micro_batch, gpus_used=r.gpus_used,
-                        total_gib=round(r.total / GiB, 3), headroom_gib=round((usable - r.total) / GiB, 3),
+                        total_gib=round(r.total / GiB, 3), headroom_gib=round((own - r.total) / GiB, 3),
                         final=r is final, step_time_s=r.step_s, mfu=round(r.mfu, 4),
                         comm_fraction=round(r.comm_fraction, 4), anti_patterns=r.anti)
 
@@ -298,7 +301,7 @@ def plan(model: str | dict[str, Any], gpus_per_node: int = 8, nodes: int = 1, gp
     found = search(cfg, hw, margin=margin, search_micro_batch=searched)
     label(cfg, found.rows, found.cp_fallback)
     usable = (int(budget * GiB) - reserve_bytes(cfg)) * (1 - margin)
-    final_row, best = choose(found.rows, world, usable * (1 - PEAK_ERROR_BAND), usable * (1 - PEAK_ERROR_MEASURED))
+    final_row, best = choose(found.rows, world)  # each row's error band against its own usable budget
     hints = [f"tp={k} is blocked only by the vocabulary: {vocab_pad_hint(cfg.model.vocab_size, k)}"
              for k in tp_blocked_by_vocab(cfg.model, gpus_per_node)[-1:]]
     if final_row is not None:
@@ -310,8 +313,9 @@ def plan(model: str | dict[str, Any], gpus_per_node: int = 8, nodes: int = 1, gp
         hints.append(f"micro_batch {mb} instead of the given {given_mb} (search_micro_batch searched it: "
                      f"{final_row.step_s if final_row else float('nan'):.3g} s per step); pass "
                      f"search_micro_batch=false to keep {given_mb}")
-    edge = usable * (1 - PEAK_ERROR_BAND)
-    if final_row is not None and final_row.total > edge:
+    if final_row is not None and final_row.usable is not None:
+        usable = final_row.usable  # the final layout's own reserve (its communicators), as its fit used
+    if final_row is not None and final_row.in_band():
         hints.append(f"final is within the estimator's {PEAK_ERROR_BAND:.0%} error band of the limit "
                      f"({final_row.total / GiB:.1f} of {usable / GiB:.1f} GiB usable) and more than {WITHIN:.0%} "
                      "faster than every layout outside it: bench it (measure the peak) before committing")

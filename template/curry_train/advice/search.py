@@ -82,6 +82,11 @@ class Row:
     gpus_used: int
     anti: list[str] = field(default_factory=list)
     anti_text: list[str] = field(default_factory=list)
+    usable: float | None = None  # this layout's own budget - reserve (reserve.reserve_of), after the margin
+
+    def in_band(self, band: float = PEAK_ERROR_BAND) -> bool:
+        """Whether the peak is inside `band` of this row's own usable budget (unknown usable: never)."""
+        return self.usable is not None and self.total > self.usable * (1 - band)
 
     @property
     def weight(self) -> tuple:
@@ -224,7 +229,7 @@ def _search(cfg: Config, hw: HardwareProfile, margin: float, *, with_cp: bool,
                         start, prev = RC.index(rc), st.total_s
                         rows.append(Row(parallel={**par, "recompute": rc}, micro_batch=b, total=total,
                                         step_s=st.total_s, mfu=st.mfu, comm_fraction=st.comm_fraction,
-                                        gpus_used=used))
+                                        gpus_used=used, usable=usable * (1 - margin)))
                         if first_fit:
                             return rows, valid
     return rows, valid
@@ -245,20 +250,21 @@ def label(cfg: Config, rows: list[Row], cp_fallback: bool) -> None:
         r.anti_text = [a.message for a in found]
 
 
-def choose(rows: list[Row], world: int, edge: float | None = None,
-           floor: float | None = None) -> tuple[Row | None, float | None]:
+def choose(rows: list[Row], world: int, band: float | None = PEAK_ERROR_BAND,
+           measured: float = PEAK_ERROR_MEASURED) -> tuple[Row | None, float | None]:
     """(the final row, the fastest clean step time): the lightest clean row within WITHIN of the fastest clean
     one, preferring rows that use every GPU; without a clean row, the fitting row with the fewest anti-patterns.
-    Rows whose peak is above `edge` (inside the estimator's error band of the limit) stay candidates only when no
-    other row is left, or when they are below `floor` (headroom above the largest error measured) and more than
-    WITHIN faster than every row outside the band that could be final (the clean ones, or all when none is
-    clean: a row with an anti-pattern is no alternative to choose instead; the planner's tie band: a gain that
-    size is worth a measurement; planner.py then says to measure before committing)."""
-    if edge is not None and any(r.total <= edge for r in rows):
-        safe = [r for r in rows if r.total <= edge]
+    Rows whose peak is inside `band` of their own usable budget (each layout has its own reserve: reserve_of, the
+    communicators it opens) stay candidates only when no other row is left, or when their headroom is above the
+    largest error measured (`measured`) and they are more than WITHIN faster than every row outside the band that
+    could be final (the clean ones, or all when none is clean: a row with an anti-pattern is no alternative to
+    choose instead; the planner's tie band: a gain that size is worth a measurement; planner.py then says to
+    measure before committing). `band` None: no band."""
+    if band is not None and any(not r.in_band(band) for r in rows):
+        safe = [r for r in rows if not r.in_band(band)]
         outside = min(r.step_s for r in ([r for r in safe if not r.anti] or safe))
-        top = edge if floor is None else floor
-        rows = [r for r in rows if r.total <= edge or (r.total <= top and r.step_s < outside * (1 - WITHIN))]
+        rows = [r for r in rows
+                if not r.in_band(band) or not r.in_band(measured) and r.step_s < outside * (1 - WITHIN)]
     clean = [r for r in rows if not r.anti]
     if not clean:
         if not rows:

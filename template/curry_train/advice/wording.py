@@ -233,6 +233,16 @@ def render(d: Decision, est: Estimate, target: int, given: str | None, evidence:
     return _REASON[d.kind](_oom_head(est, target, given, evidence or "estimate", measured), d.facts, est, d.after)
 
 
+def render_caution(est: Estimate, rung: Decision) -> str:
+    """The caution an answer that changes nothing owes a fit inside the estimator's error band (decide.band_rung)."""
+    nxt = f"{rung.primitive} ({_set(rung.patch)})" if rung.patch else "more GPUs"
+    return (f"Caution: the estimated peak {_gib(est.memory.total)} is within the estimator's {PEAK_ERROR_BAND:.0%} "
+            f"error band of {_budget(est)} (headroom {_gib(est.headroom_bytes)}; the band is "
+            "benchmarks/estimator_accuracy.py's target for the per-rank peak, advice/search.py PEAK_ERROR_BAND), so "
+            "the estimate is not evidence that it fits: run bench to measure the peak; if the measurement runs out "
+            f"of memory, the next rung is {nxt}, the rung a reported OOM gets here.")
+
+
 def render_rejected(rejected: list[Rejection]) -> list[str]:
     return [_REJECTED[r.kind](r.facts) for r in rejected]
 

@@ -199,7 +199,9 @@ def _ckpt_group():
         return None
     key = id(dist.distributed_c10d._get_default_group())
     if key not in _groups:
-        _groups[key] = dist.new_group(backend="gloo")
+        from curry_train.train.comm_init import new_group
+
+        _groups[key] = new_group(backend="gloo")  # the default group's timeout, and set_train_timeout's after it
     return _groups[key]
 
 

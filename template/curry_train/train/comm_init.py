@@ -8,8 +8,10 @@ timeouts, as torchtitan sets them (Wang et al. 2024, "TorchTitan", §3.4; torcht
 `comm.init_timeout_s` from `init_process_group` through the first optimizer step (compilation, the first
 all-gathers, allocator warm-up), then `comm.train_timeout_s` on the default group and every mesh group
 (`dist.distributed_c10d._set_pg_timeout`, which reaches both ProcessGroupNCCL and ProcessGroupGloo in torch 2.13).
-A DeviceMesh's groups are created with torch's default timeout, not the default group's, so they are set
-explicitly. See docs/ARCHITECTURE.md#cluster-robustness.
+A DeviceMesh's groups are created with torch's default timeout, not the default group's, so each group the mesh
+built (mesh.process_groups: every dimension, the flattened dp x cp, HSDP's and EP's views) is set explicitly, and
+so is every group made outside it through `new_group` here (the checkpoint's gloo group), which starts at the
+default group's timeout of the moment. See docs/ARCHITECTURE.md#cluster-robustness.
 
 On CUDA the launcher sets torch's own NCCL knobs for the ranks (`rank_env`): asynchronous error handling in mode
 3 (tear the process down without cleanup: the mode under which the flight recorder can dump), the flight
@@ -62,18 +64,31 @@ def init_process_group(cfg: Config, device: torch.device) -> None:
     dist.init_process_group(backend_for(device.type), **kwargs)
 
 
+_extra: dict[int, list[Any]] = {}  # id(default group) -> the groups new_group made outside the mesh
+
+
+def new_group(**kwargs: Any) -> dist.ProcessGroup:
+    """`dist.new_group` at the default group's timeout now (the init timeout before the first step, the train
+    timeout after it), registered so that set_train_timeout reaches it too."""
+    g = dist.new_group(timeout=pg_timeout(), **kwargs)
+    _extra.setdefault(id(dist.distributed_c10d._get_default_group()), []).append(g)
+    return g
+
+
 def set_train_timeout(cfg: Config, mesh: Any = None) -> list[dist.ProcessGroup]:
-    """After the first optimizer step: every rank has finished it (barrier, device sync), then the default group
-    and each mesh dimension's group get `comm.train_timeout_s`. Returns the groups set (for tests)."""
+    """After the first optimizer step: every rank has finished it (barrier, device sync), then the default group,
+    every group the mesh built (mesh.process_groups) and every group made by new_group get `comm.train_timeout_s`.
+    Returns the groups set (for tests)."""
+    from curry_train.mesh import process_groups
+
     if not dist.is_initialized():
         return []
     dist.barrier()
     if torch.cuda.is_available() and dist.get_backend() == "nccl":
         torch.cuda.synchronize()
     timeout = timedelta(seconds=cfg.comm.train_timeout_s)
-    groups = [dist.group.WORLD]
-    if mesh is not None:
-        groups += [mesh.get_group(i) for i in range(mesh.ndim)]
+    groups = [dist.group.WORLD, *(process_groups(mesh) if mesh is not None else [])]
+    groups += _extra.get(id(dist.distributed_c10d._get_default_group()), [])
     done: list[dist.ProcessGroup] = []
     for g in groups:
         if all(g is not d for d in done):
