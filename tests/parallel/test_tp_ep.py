@@ -88,3 +88,13 @@ def test_tp_with_ep_refusals_name_the_fields_and_the_fix(overrides, fields, fix)
 def test_tp_with_ep_is_accepted_without_dp_dividing_ep():
     cfg = load_config(MOE, TPEP)  # dp = 1: the EP group is carved from the tp ranks alone
     assert (cfg.parallel.dp, cfg.parallel.tp, cfg.parallel.ep) == (1, 2, 2)
+
+
+def test_the_planner_searches_tp_with_ep_for_mixtral():
+    """Mixtral 8x7B on 16 H100: TP + EP layouts (EP over dp x tp, SP on) are enumerated, and some fit."""
+    from curry_train.advice.planner import plan
+
+    p = plan("mixtral-8x7b", 8, 2, gpu="H100", top=40)
+    both = [r.parallel for r in p.ranked if r.parallel["tp"] > 1 and r.parallel["ep"] > 1]
+    assert both and all(q["sp"] for q in both), [r.parallel for r in p.ranked][:5]
+    assert any(q["ep"] > q["dp"] for q in both)  # an EP group wider than dp: it spans the tp ranks
