@@ -98,3 +98,19 @@ def test_the_planner_searches_tp_with_ep_for_mixtral():
     both = [r.parallel for r in p.ranked if r.parallel["tp"] > 1 and r.parallel["ep"] > 1]
     assert both and all(q["sp"] for q in both), [r.parallel for r in p.ranked][:5]
     assert any(q["ep"] > q["dp"] for q in both)  # an EP group wider than dp: it spans the tp ranks
+
+
+@pytest.mark.multirank
+def test_a_tp_ep_checkpoint_resumes_on_one_device_as_the_uninterrupted_run(tmp_path):
+    """Experts saved under their global index from an EP group over the tp ranks (train/checkpoint.py)."""
+    from curry_train.train.jobs import rank_jobs
+    from curry_train.train.launch import launch_forkserver
+
+    from tests.test_checkpoint import _single, _spec
+
+    ref = _single(tmp_path, FRONTIER, base=MOE)["losses"]
+    ck = tmp_path / "tpep"
+    first = launch_forkserver(rank_jobs, 2, [_spec(TPEP, MOE, checkpoint_dir=str(ck), save_every=2)],
+                              timeout=600)[0][0]["losses"]
+    resumed = _single(tmp_path, FRONTIER, base=MOE, resume=str(ck / "step-000002"))["losses"]
+    assert first[:2] + resumed == pytest.approx(ref, rel=1e-5)
