@@ -79,7 +79,7 @@ def _acts(layout: Layout) -> _Acts:
         _, Sk = _moe_slots(layout, nm)
         # what is freed by the time the experts' SwiGLU backward runs: their product, and the shared expert's
         # saved tensors (its branch is recorded after the routed one, so autograd runs its backward first)
-        prod = Sk * layout.d_ff * c + _shared_saved(layout, n, path)
+        prod = Sk * layout.d_ff * c + _shared_saved(layout, n, path) + gathered
         # Experts.forward (CPU loop) takes unbind views of the stacked weights: the El [D, F] slice gradients
         # live until UnbindBackward stacks them into one [El, D, F] tensor (both at once: 2 per weight)
         El = layout.num_experts // layout.ep
