@@ -108,6 +108,10 @@ MATRIX: dict[str, dict[str, Any]] = {
     "moe-front-ep2": {**_FRONT, "parallel.dp": 2, "parallel.ep": 2},
     "moe-front-ep2-zero3": {**_FRONT, "parallel.dp": 2, "parallel.ep": 2, "parallel.zero": 3},
     "moe-front-pp2": {**_FRONT, "model.first_k_dense": 2, "parallel.pp": 2},
+    # TP + EP: the EP group over the tp pair (2 ranks), and over all dp x tp ranks under FSDP (4 ranks)
+    "moe-front-tp2-ep2": {**_FRONT, "parallel.tp": 2, "parallel.sp": True, "parallel.ep": 2},
+    "moe-front-tp2-ep4-zero3": {**_FRONT, "parallel.dp": 2, "parallel.tp": 2, "parallel.sp": True, "parallel.ep": 4,
+                                "parallel.zero": 3},
     # vocab-heavy (V = 64 D, as llama3-8b's V = 31 D): the LM head and the chunked loss (train.loss_chunks,
     # 0 = auto = 64 chunks here) dominate the activations; tiny's V = 256 hides them
     "vocab-single": {"model.vocab_size": 4096},

@@ -20,7 +20,8 @@ from tests.whitebox_pool import whitebox_batch
 
 # First diverging module each bug must be localised to (the earliest failing step's earliest failing tensor).
 FIRST_LAYER = {"ddp-unreduced-grad": "layers.2", "tp-sp-norm-unreduced": "layers.0", "ep-expert-unreduced": "layers.0",
-               "rank-grad-1pct": "layers.0", "mid-layer-forward": "layers.2", "tp-partial-sum-1pct": "layers.2"}
+               "rank-grad-1pct": "layers.0", "mid-layer-forward": "layers.2", "tp-partial-sum-1pct": "layers.2",
+               "tp-ep-router-unreduced": "layers.0"}
 
 
 def _natural(name: str):
@@ -103,7 +104,8 @@ def test_the_catalogue_lists_every_name_with_family_and_layout(capsys):
         "tp-sp-norm-unreduced", "pp-unscaled-grads", "ep-expert-unreduced", "cp-local-lse", "data-same-rows",
         "replica-lr", "zero-grad-noop", "rank-grad-1pct", "unseen-rows-grad", "clip-local-norm-fsdp",
         "clip-local-norm-tp", "ddp-rank-sum", "lr-warmup-restart", "mid-layer-forward", "cp-loss-unreduced",
-        "ddp-reduce-bf16", "fsdp-reduce-bf16", "tp-partial-sum-1pct", "resume-drops-moments", "resume-step-reset"]
+        "ddp-reduce-bf16", "fsdp-reduce-bf16", "tp-partial-sum-1pct", "resume-drops-moments", "resume-step-reset",
+        "tp-ep-router-unreduced", "tp-ep-tokens-twice"]
     assert all(r["family"] and r["breaks"] and r["layout"] for r in listing())
 
 

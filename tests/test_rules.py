@@ -168,21 +168,21 @@ def test_a_vocabulary_that_blocks_tp_gets_the_padding_hint():
     assert any("pad model.vocab_size 50257 to 50304" in p.fix and "64*tp = 128" in p.fix for p in bad)
 
 
-def test_moe_with_sp_and_ep_is_refused_before_launch():
-    """parallel/expert_parallel.py routes every token of the sequence, so SP (1/tp of it per rank) with EP is
-    refused by check, before any process starts, naming both fields and the fix."""
+def test_moe_with_tp_and_ep_needs_sp_before_launch():
+    """With tp > 1 the EP group spans the tp ranks (rules.ep_spans_tp), so each must route its own tokens: SP is
+    required (sp=false refused by check, before any process starts, naming the fields and the fix); with SP the
+    layout launches (tests/parallel/test_tp_ep.py white-boxes it)."""
     sec = {"model": {"vocab_size": 256, "d_model": 64, "n_layers": 4, "n_heads": 8, "n_kv_heads": 4, "d_ff": 128,
                      "num_experts": 4, "top_k": 2},
            "train": {"seq_len": 64, "global_batch": 8, "micro_batch": 1},
-           "parallel": {"dp": 2, "zero": 2, "tp": 2, "sp": True, "ep": 2},
+           "parallel": {"dp": 2, "zero": 2, "tp": 2, "sp": False, "ep": 2},
            "hardware": {"gpus_per_node": 8, "nodes": 1}}
     cfg = from_dict(sec, validate=False)
     probs = [p for p in rules.check(cfg) if "parallel.ep" in p.fields and "parallel.sp" in p.fields]
-    assert len(probs) == 1 and "sp=false" in probs[0].fix
+    assert len(probs) == 1 and "parallel.sp=true" in probs[0].fix
     with pytest.raises(config.ConfigError):
         from_dict(sec)
-    assert not [p for p in rules.check(from_dict(sec, {"parallel.sp": False}, validate=False))
-                if "parallel.sp" in p.fields]
+    assert not rules.check(from_dict(sec, {"parallel.sp": True}, validate=False))
 
 
 def test_tp_hints_offer_only_sizes_inside_a_node():

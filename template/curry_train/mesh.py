@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from curry_train.config import Config, validate_config
+from curry_train.rules import ep_spans_tp
 
 AXES = ("pp", "dp", "cp", "tp")
 
@@ -23,14 +24,22 @@ class Topology:
     tp: int = 1
     pp: int = 1
     cp: int = 1
-    ep: int = 1  # carved from dp: experts are sharded over ep of the dp ranks
+    ep: int = 1  # carved from dp (from dp x tp when tp > 1: ep_over_tp): experts are sharded over ep ranks
 
     def __post_init__(self) -> None:
         for axis in (*AXES, "ep"):
             if getattr(self, axis) < 1:
                 raise ValueError(f"{axis}={getattr(self, axis)} must be >= 1")
-        if self.dp % self.ep:
+        if self.ep_over_tp and (self.dp * self.tp) % self.ep:
+            raise ValueError(f"ep={self.ep} must divide dp*tp={self.dp * self.tp} (with tp > 1 EP is carved from "
+                             "the dp x tp ranks)")
+        if not self.ep_over_tp and self.dp % self.ep:
             raise ValueError(f"ep={self.ep} must divide dp={self.dp} (EP is carved from the data-parallel ranks)")
+
+    @property
+    def ep_over_tp(self) -> bool:
+        """EP groups carved from the dp x tp ranks (rules.ep_spans_tp: tp > 1 and ep > 1; ep > 1 means experts)."""
+        return ep_spans_tp(1, self.tp, self.ep)
 
     @classmethod
     def from_config(cls, cfg: Config) -> Topology:
@@ -98,7 +107,11 @@ def build_mesh(topo: Topology, device: str, *, dp_replicate: int = 1, experts: b
         n = flat.size()
         views["fsdp", dp_replicate] = flat._unflatten("dp_cp", (dp_replicate, n // dp_replicate),
                                                       ("dp_replicate", "dp_shard_cp"))
-    if experts or topo.ep > 1:
+    if topo.ep_over_tp:  # cp = 1 (sp and cp exclude each other): the dp x tp ranks, tp fastest, into (edp, ep)
+        dp_tp = mesh["dp", "tp"]._flatten("dp_tp")
+        full = dp_tp._unflatten("dp_tp", (topo.dp * topo.tp // topo.ep, topo.ep), ("edp", "ep"))
+        views["ep", topo.ep] = (full["ep"], full["edp"])
+    elif experts or topo.ep > 1:
         full = mesh._unflatten("dp", (topo.dp // topo.ep, topo.ep), ("edp", "ep"))  # ("pp", "edp", "ep", "cp", "tp")
         views["ep", topo.ep] = (full["ep"], full["edp", "cp"]._flatten("edp_cp"))
     mesh.__dict__[_VIEWS] = views
@@ -133,8 +146,12 @@ def process_groups(mesh) -> list:
 
 def expert_rank_grid(topo: Topology) -> torch.Tensor:
     """Global ranks [pp, edp, ep, cp, tp]: build_mesh's row-major (pp, dp, cp, tp) order with dp unflattened into
-    (edp, ep), ep fastest, as ep_meshes does; for code that needs the layout without creating process groups."""
-    return torch.arange(topo.world_size).view(topo.pp, topo.dp // topo.ep, topo.ep, topo.cp, topo.tp)
+    (edp, ep), ep fastest, as ep_meshes does; for code that needs the layout without creating process groups.
+    With ep_over_tp the dp x tp ranks are unflattened instead, so the grid is [pp, edp, ep, 1, 1]."""
+    ranks = torch.arange(topo.world_size)
+    if topo.ep_over_tp:
+        return ranks.view(topo.pp, topo.dp * topo.tp // topo.ep, topo.ep, 1, 1)
+    return ranks.view(topo.pp, topo.dp // topo.ep, topo.ep, topo.cp, topo.tp)
 
 
 def pp_mesh(mesh):
@@ -169,5 +186,10 @@ def ep_meshes(mesh, ep: int):
     dp is unflattened into ("edp", "ep") with ep fastest, so ep *consecutive* dp ranks form an EP group and
     hold all E experts between them. "edp_cp" = the ranks holding the *same* experts (dp/ep of them per cp
     rank, times cp): expert gradients are summed there, while the other parameters use dp_cp_mesh.
+
+    With tp > 1 (Topology.ep_over_tp; Megatron-LM's expert-tensor-parallel size 1, whose expert rank order
+    is tp fastest, then ep, then dp) the flattened dp x tp ranks are unflattened instead: an EP group takes
+    the tp ranks first (inside a node) and the second mesh is the dp*tp/ep ranks holding the same experts.
+    Every one of those ranks routes distinct tokens (its T/tp sequence shard, sequence parallel).
     """
     return _view(mesh, ("ep", ep), f"expert (ep={ep})")

@@ -28,3 +28,17 @@ def dense_width(m: Any) -> int:
 def is_moe_block(m: Any, layer: int) -> bool:
     """Whether global block `layer` has the MoE FFN: every block of a MoE model but its first_k_dense."""
     return m.num_experts > 0 and layer >= m.first_k_dense
+
+
+def tp_split_widths(m: Any) -> list[tuple[str, int]]:
+    """The FFN widths tensor parallel splits, as (the model field that sets it, width); each must divide by tp.
+    d_ff on a dense model; on a MoE model the dense first blocks' and the shared expert's, while the routed experts
+    stay whole (expert-parallel instead: Megatron-LM's expert-tensor-parallel size 1, parallel/tensor_parallel.py)."""
+    if not m.num_experts:
+        return [("d_ff", m.d_ff)]
+    out = []
+    if m.first_k_dense:
+        out.append(("dense_d_ff" if m.dense_d_ff else "d_ff", dense_width(m)))
+    if shared_width(m):
+        out.append(("shared_d_ff" if m.shared_d_ff else "d_ff", shared_width(m)))
+    return out

@@ -4,7 +4,8 @@ layout a careful engineer would run (`choose`).
     python -c "from curry_train.advice.planner import plan; print(plan('llama3-70b', 8, 32, 80.0, 8192, 1024).final)"
 
 Search space: tp x cp x pp x dp over the cluster with
-  tp   every divisor of gpus_per_node that divides the heads, kv heads, d_ff and vocabulary (rules.tp_sizes);
+  tp   every divisor of gpus_per_node that divides the heads, kv heads, the TP-split FFN widths and the vocabulary
+       (rules.tp_sizes; a MoE's routed experts stay whole, expert-parallel over dp x tp);
   cp   every cp with seq_len % (2*cp) == 0 (rules.cp_sizes); below 32k tokens only when no layout without CP
        fits (the seed's "CP only with proven need");
   pp   sizes whose stages are whole nodes and hold at least one layer each (rules.pp_sizes; pp need not divide
@@ -12,7 +13,7 @@ Search space: tp x cp x pp x dp over the cluster with
        interleaved 1F1B and zero-bubble at 2 (and 4) virtual stages; GPipe is left out: it has 1F1B's bubble
        and holds every micro-batch's activations (Narayanan et al. 2021), so it never wins;
   dp   the rest of the cluster, lowered to the largest size the global batch feeds (GPUs then idle);
-  ep   (MoE) divisors of the experts that divide dp;
+  ep   (MoE) divisors of the experts that divide dp, or dp x tp under TP (rules.ep_domain);
   zero 0-3 (one row at dp*cp == 1: the stages are the same layout there, so duplicates collapse); zero 1 with
        tp > 1 is Megatron's distributed optimizer (FSDP2 holding the step, wrapping.py);
   keep zero 2 without PP also with parallel.fsdp_keep_gathered (units gathered across the micro-batches: one
@@ -49,6 +50,7 @@ from curry_train.rules import (
     check,
     cp_sizes,
     divisors,
+    ep_domain,
     hsdp_replicas,
     pp_sizes,
     tp_sizes,
@@ -165,7 +167,9 @@ def _search(cfg: Config, hw: HardwareProfile, margin: float, *, with_cp: bool,
         per_rank = t.global_batch // dp
         mbs = [b for b in divisors(per_rank) if (b <= MAX_MICRO_BATCH and b & (b - 1) == 0 and search_mb
                                                  or b == t.micro_batch) and (pp == 1 or per_rank // b >= pp)]
-        eps = [e for e in divisors(m.num_experts) if dp % e == 0] if m.num_experts else [1]
+        # EP is carved from dp, or from dp x tp under TP (rules.ep_domain: Megatron's expert-tensor-parallel 1)
+        eps = [e for e in divisors(m.num_experts) if ep_domain(dp, tp, e, m.num_experts) % e == 0] \
+            if m.num_experts else [1]
         zeros = (0,) if dp * cp == 1 else (0, 1, 2, 3)
         for sched, v in _schedules(m.n_layers, pp):
             for ep in eps:

@@ -71,11 +71,15 @@ def _acts(layout: Layout) -> _Acts:
     else:  # the norm's output, shared by wq, wk, wv (w1, w3)
         y1, y2 = c * n * D, c * n * D
     if layout.num_experts:
-        ffn = _moe_saved(layout, n, path) + (y2 if path != "autocast" else 0)
-        _, Sk = _moe_slots(layout, n)
+        # TP + EP (layout.ep_over_tp): the MoE routes this rank's nn_ = n/t tokens, the norm's local output; the
+        # shared expert all-gathers it to n rows (kept for its w1 / w3 backward, as a dense FFN's)
+        nm = layout.moe_tokens
+        gathered = c * n * D if layout.ep_over_tp and layout.shared_d_ff and path != "autocast" else 0
+        ffn = _moe_saved(layout, nm, path, n) + (c * nm * D if path != "autocast" else 0) + gathered
+        _, Sk = _moe_slots(layout, nm)
         # what is freed by the time the experts' SwiGLU backward runs: their product, and the shared expert's
         # saved tensors (its branch is recorded after the routed one, so autograd runs its backward first)
-        prod = Sk * layout.d_ff * c + _shared_saved(layout, n, path)
+        prod = Sk * layout.d_ff * c + _shared_saved(layout, n, path) + gathered
         # Experts.forward (CPU loop) takes unbind views of the stacked weights: the El [D, F] slice gradients
         # live until UnbindBackward stacks them into one [El, D, F] tensor (both at once: 2 per weight)
         El = layout.num_experts // layout.ep
@@ -112,7 +116,7 @@ def _acts(layout: Layout) -> _Acts:
                  rope=2 * T * (Dh // 2) * 4, stream=stream, d_stream=stream,
                  lin_out_grads=n * (Dq + 2 * Dkv + 2 * D + (2 * Fl if not layout.num_experts else 0)) * c,
                  ring_bwd=_ring_backward(layout, n, Dq, Dkv, Hl, c) if cp_ring else 0, post_attn=wo_in + norms // 2,
-                 shared_prod=n * layout.shared_d_ff * c if layout.num_experts else 0)
+                 shared_prod=n * (layout.shared_d_ff // t) * c if layout.num_experts else 0)
 
 
 def _ring_backward(layout: Layout, n: int, Dq: int, Dkv: int, Hl: int, c: int) -> int:
@@ -136,7 +140,7 @@ def _moe_slots(layout: Layout, n: int) -> tuple[int, int]:
     return S, S
 
 
-def _moe_saved(layout: Layout, n: int, path: str) -> int:
+def _moe_saved(layout: Layout, n: int, path: str, n_shared: int | None = None) -> int:
     """moe.MoE's saved tensors per micro-batch (measured on torch 2.13 CPU): router probs, top-k ids and
     gates, the dispatched rows [S_kept, D] (and a second [S_kept, D] the combine keeps), every expert's SwiGLU
     intermediates (4 F per kept slot), the combine's rows [S, D] and weights. EP trades rows, it does not
@@ -156,14 +160,14 @@ def _moe_saved(layout: Layout, n: int, path: str) -> int:
         rows += Sk * D * c + n * K * c + n * D * 4  # each expert casts its rows twice (w1, w3); fp32 router input
     elif path == "mp":
         rows += n * D * 4 + E * D * 4 + n * K * c  # the router's fp32 upcasts of its input and weight
-    return router + idx + rows + _shared_saved(layout, n, path)
+    return router + idx + rows + _shared_saved(layout, n if n_shared is None else n_shared, path)
 
 
 def _shared_saved(layout: Layout, n: int, path: str) -> int:
     """The shared expert (a SwiGLU of width Fs over all n tokens, moe.MoE.shared_experts, gpt.FeedForward): w1 and
     w3 outputs and the product, as a dense FFN's (model/lean.py's SwiGLU rebuilds silu in backward); its input is
     the router's (already counted), except that autocast casts it once per w1 / w3."""
-    Fs = layout.shared_d_ff
+    Fs = layout.shared_d_ff // layout.tp  # TP-split like a dense SwiGLU
     if not Fs:
         return 0
     c = 4 if path == "fp32" else 2
@@ -178,7 +182,8 @@ def _selective_saved(layout: Layout, n: int, nn_: int, c: int, path: str) -> int
     dispatched rows in the norm's dtype, fp32 under autocast; the combined rows in the compute dtype)."""
     Hl, D = layout.n_heads // layout.tp, layout.d_model
     El = layout.num_experts // layout.ep if layout.num_experts else 1
-    _, Sk = _moe_slots(layout, n) if layout.num_experts else (0, 0)
+    nm = layout.moe_tokens if layout.num_experts else n  # TP + EP: this rank's T/tp shard
+    _, Sk = _moe_slots(layout, nm) if layout.num_experts else (0, 0)
     mms = block_matmuls(layout, n, Sk // El)
     kept = sum(rows * w_out * (4 if fp32 else c)
                for (rows, w_out, _, fp32), keep in zip(mms, saved_matmuls(len(mms))) if keep)
@@ -186,7 +191,7 @@ def _selective_saved(layout: Layout, n: int, nn_: int, c: int, path: str) -> int
     rs = 2 * nn_ * D * c if layout.sp else 0
     moe = 0
     if layout.num_experts:
-        moe = n * layout.top_k * (4 + 8)
+        moe = nm * layout.top_k * (4 + 8)
         if layout.ep > 1:
             moe += Sk * D * ((2 if path == "mp" else 4) + c)
     return int(kept) + core + rs + moe

@@ -187,13 +187,12 @@ def _comm(layout: Layout, hw: HardwareProfile, t_compute: float) -> list[CommIte
             _span_link(layout, layout.cp, layout.tp), "attn", rails=_rails(layout, layout.cp, layout.tp))
     if layout.num_experts and layout.ep > 1:
         layers = max(block_kinds(layout, stage_ids(layout, r))[1] for r in range(layout.pp))  # MoE blocks only
-        n = layout.micro_batch * layout.seq_len // layout.cp
-        _, Sk = _moe_slots(layout, n)
+        _, Sk = _moe_slots(layout, layout.moe_tokens)  # TP + EP: this tp rank's T/tp shard only
         cb = 2 if layout.precision != "fp32" else 4
         nbytes = 4 * Sk * layout.d_model * cb * layers * m  # dispatch + combine, forward and backward
-        add("ep", "all_to_all", layout.ep, nbytes, 4 * layers * m,
-            _span_link(layout, layout.ep, layout.cp * layout.tp), None,
-            rails=_rails(layout, layout.ep, layout.cp * layout.tp))
+        stride = 1 if layout.ep_over_tp else layout.cp * layout.tp  # TP + EP: the group takes the tp ranks first
+        add("ep", "all_to_all", layout.ep, nbytes, 4 * layers * m, _span_link(layout, layout.ep, stride), None,
+            rails=_rails(layout, layout.ep, stride))
     return _expose(entries, t_compute, m, 3 / 4 if layout.recompute == "full" else 2 / 3)
 
 

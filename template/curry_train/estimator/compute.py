@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
-from curry_train.estimator.layout import Layout
+from curry_train.estimator.layout import Layout, routed_tokens
 from curry_train.estimator.profiles import HardwareProfile, from_device_name
 
 # A fused attention kernel at s_blk keys per block runs at s_blk / (s_blk + 512) of its plateau (FlashAttention-2,
@@ -64,18 +64,19 @@ def probe_gemm_tflops(hw: HardwareProfile, n: int, dtype: str) -> float:
 
 
 def _linears(layout: Layout) -> list[tuple[float, float, float, float]]:
-    """(M tokens, K, N, blocks) of the Linears of a rank's blocks: TP-local widths (colwise splits N, rowwise K);
-    a local MoE expert sees top_k / num_experts of the tokens of the ep ranks its all-to-all gathers (uniform
-    routing), the shared expert every token (not TP-split, moe.MoE); `blocks` counts the blocks that run the
-    Linear (a MoE model's first_k_dense blocks run a dense SwiGLU of width dense_d_ff instead of the experts)."""
+    """(M tokens, K, N, blocks) of the Linears of a rank's blocks: TP-local widths (colwise splits N, rowwise K); a
+    local MoE expert sees top_k / num_experts of the tokens of the ep ranks its all-to-all gathers (uniform routing;
+    under TP + EP each rank routes its T/tp shard), the shared expert every token (TP-split); `blocks` counts the
+    blocks that run the Linear (a MoE model's first_k_dense blocks run a dense SwiGLU of width dense_d_ff instead of
+    the experts)."""
     M = float(layout.micro_batch_tokens)
     D, t, Dh = layout.d_model, layout.tp, layout.head_dim
     q, kv = layout.n_heads * Dh / t, layout.n_kv_heads * Dh / t
     L = float(layout.n_layers)
     out = [(M, D, q, L), (M, D, kv, L), (M, D, kv, L), (M, q, D, L)]
     if layout.num_experts:
-        Me = max(1.0, M * layout.top_k * layout.ep / layout.num_experts)
-        F, Fs, k = layout.d_ff, layout.shared_d_ff, float(layout.first_k_dense)
+        Me = max(1.0, layout.moe_tokens * layout.top_k * layout.ep / layout.num_experts)
+        F, Fs, k = layout.d_ff, layout.shared_d_ff / t, float(layout.first_k_dense)
         out += [(Me, D, F, L - k)] * 2 + [(Me, F, D, L - k)]
         if Fs:
             out += [(M, D, Fs, L - k)] * 2 + [(M, Fs, D, L - k)]
@@ -223,6 +224,10 @@ class _Shape:
     @property
     def micro_batch_tokens(self) -> int:
         return self.micro_batch * (self.seq_len // self.cp)
+
+    @property
+    def moe_tokens(self) -> int:
+        return routed_tokens(self)
 
 
 @dataclass(frozen=True)

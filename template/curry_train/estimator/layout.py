@@ -11,6 +11,7 @@ from typing import Any
 
 from curry_train.config import Config, dense_width, loss_chunk_count, shared_width
 from curry_train.pipeline_split import layers_per_stage, stage_layer_range
+from curry_train.rules import ep_spans_tp
 from curry_train.sac_rule import saved_matmuls
 from curry_train.wrapping import data_parallel_wrapper, fsdp_holds_step
 
@@ -81,6 +82,21 @@ class Layout:
     def dpcp(self) -> int:
         return self.dp * self.cp
 
+    @property
+    def ep_over_tp(self) -> bool:
+        """The EP groups are carved from dp x tp (rules.ep_spans_tp): each tp rank routes its own T/tp shard."""
+        return ep_spans_tp(self.num_experts, self.tp, self.ep)
+
+    @property
+    def edp(self) -> int:
+        """Ranks holding the same experts, over which their gradients are reduced (mesh.ep_meshes): dp*tp/ep
+        when the EP group spans tp, else dp/ep x cp."""
+        return self.dp * self.tp // self.ep if self.ep_over_tp else (self.dp // self.ep) * self.cp
+
+    @property
+    def moe_tokens(self) -> int:
+        return routed_tokens(self)
+
     @cached_property  # (read in the planner's hot loops; the fields are frozen)
     def fsdp(self) -> bool:
         return data_parallel_wrapper(self.dp, self.cp, self.zero, self.tp) == "fsdp"  # the template's rule, wrapping.py
@@ -111,6 +127,14 @@ class Layout:
     @property
     def world(self) -> int:
         return self.dp * self.tp * self.pp * self.cp
+
+
+def routed_tokens(x: Any) -> int:
+    """Tokens one rank routes per micro-batch (a Layout or compute's stand-in): its sequence shard under TP + EP
+    (T/tp, the SP slice: rules.ep_spans_tp), else every token of its micro-batch (the tp ranks of a MoE without
+    EP route the gathered sequence)."""
+    n = x.micro_batch * (x.seq_len // x.cp)
+    return n // x.tp if ep_spans_tp(x.num_experts, x.tp, x.ep) else n
 
 
 def layout_of(cfg: Config) -> Layout:
@@ -193,9 +217,9 @@ def _block_tensors(layout: Layout, dense: bool = False) -> list[_Tensor]:
         out.append((E, D, E * D, "dense"))  # router gate [E, D], replicated over tp
         kind = "expert" if layout.ep > 1 else "dense"
         out += [(El, D * F, E * D * F, kind)] * 3  # w1, w3 [El, D, F]; w2 [El, F, D]
-        Fs = layout.shared_d_ff  # the shared expert: plain Linears, replicated over tp and ep like the router
+        Fs = layout.shared_d_ff  # the shared expert: replicated over ep, TP-split like a dense SwiGLU
         if Fs:
-            out += [(Fs, D, Fs * D, "dense"), (Fs, D, Fs * D, "dense"), (D, Fs, D * Fs, "dense")]
+            out += [(Fs // t, D, Fs * D, "dense"), (Fs // t, D, Fs * D, "dense"), (D, Fs // t, D * Fs, "dense")]
     else:
         F = layout.d_ff
         Fl = F // t
@@ -243,12 +267,12 @@ def active_params(cfg: Config | Layout) -> int:
 
 
 def block_matmuls(layout: Layout, n: float, expert_rows: float) -> list[tuple[float, int, int, bool]]:
-    """One block's matmuls in the forward order the selective policy counts them (parallel/recompute.py), as
-    this rank runs them on n tokens: (rows, output width, input width, fp32). TP-local widths; MoE: the fp32
-    router, then the CPU loop kernel's three GEMMs per local expert (model/experts.py) on `expert_rows` rows
-    each (uniform routing), then the shared expert's three on every token (model/moe.py adds it after the routed
-    output; not TP-split). The GPU grouped kernel runs three GEMMs for all experts: its parity differs. A MoE
-    model's dense first blocks are `dense_view(layout)`'s."""
+    """One block's matmuls in the forward order the selective policy counts them (parallel/recompute.py), as this rank
+    runs them on n tokens: (rows, output width, input width, fp32). TP-local widths; MoE: the fp32 router, then the
+    CPU loop kernel's three GEMMs per local expert (model/experts.py) on `expert_rows` rows each (uniform routing),
+    then the shared expert's three on every token (model/moe.py adds it after the routed output; TP-split like a
+    dense SwiGLU). The GPU grouped kernel runs three GEMMs for all experts: its parity differs. A MoE model's dense
+    first blocks are `dense_view(layout)`'s."""
     D, Dh, t = layout.d_model, layout.head_dim, layout.tp
     Dq, Dkv, Fl = layout.n_heads // t * Dh, layout.n_kv_heads // t * Dh, layout.d_ff // t
     mms = [(n, Dq, D, False), (n, Dkv, D, False), (n, Dkv, D, False), (n, D, Dq, False)]
@@ -256,9 +280,10 @@ def block_matmuls(layout: Layout, n: float, expert_rows: float) -> list[tuple[fl
         return mms + [(n, Fl, D, False), (n, Fl, D, False), (n, D, Fl, False)]
     F = layout.d_ff
     expert = [(expert_rows, F, D, False), (expert_rows, F, D, False), (expert_rows, D, F, False)]
-    Fs = layout.shared_d_ff
+    Fs = layout.shared_d_ff // t
     shared = [(n, Fs, D, False), (n, Fs, D, False), (n, D, Fs, False)] if Fs else []
-    return mms + [(n, layout.num_experts, D, True)] + expert * (layout.num_experts // layout.ep) + shared
+    routed = n // t if layout.ep_over_tp else n  # TP + EP: the router sees this rank's sequence shard
+    return mms + [(routed, layout.num_experts, D, True)] + expert * (layout.num_experts // layout.ep) + shared
 
 
 def selective_rerun_fraction(layout: Layout) -> float:

@@ -158,7 +158,7 @@ def rank_view(layout: Layout, pp_rank: int) -> RankView:
         # SAC keeps one of its cached [n, D] matmul outputs until the block's backward ends (measured)
         rec += layout.micro_batch_tokens * D * (4 if layout.precision == "fp32" else 2)
     if kinds[1]:
-        w2 = (layout.num_experts // layout.ep) * layout.d_ff * D + D * layout.shared_d_ff
+        w2 = (layout.num_experts // layout.ep) * layout.d_ff * D + D * (layout.shared_d_ff // tp)  # shared: TP-split
     else:
         w2 = D * (layout.dense_d_ff // tp if layout.num_experts else layout.d_ff // tp)
     return RankView(layout=layout, stages=stages, st=st, a=a, chunk_layers=chunk_layers, n_blocks=sum(chunk_layers),

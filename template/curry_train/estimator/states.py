@@ -61,7 +61,7 @@ def _states_cached(layout: Layout, stages: tuple[int, ...]) -> _States:
     n_local = sum(n * sum(d0 * r for d0, r, _, _ in ts) for n, ts in kinds) + root_local
     n_tensors = sum(n * len(ts) for n, ts in kinds) + len(root)
     cbytes = 2 if layout.precision == "mp" else 4
-    edp = (layout.dp // layout.ep) * layout.cp
+    edp = layout.edp  # the ranks holding the same experts (dp*tp/ep under TP + EP)
     dense_group = layout.shard  # HSDP shards dense tensors over dp*cp/dp_replicate ranks
 
     def group(tn: _Tensor) -> int:

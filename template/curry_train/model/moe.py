@@ -117,12 +117,17 @@ class TopKRouter(nn.Module):
         self.m = m
         self.gate = nn.Linear(m.d_model, m.num_experts, bias=False)  # weight [E, D]
         self.stats_group: Any = None  # set by apply_cp: ranks holding other tokens of the same sequences
+        # set by apply_ep under TP + EP: the tp ranks, each routing its own T/tp slice of the same micro-batch
+        self.tp_group: Any = None
 
     def forward(self, x: torch.Tensor, batch: int = 1) -> Routing:  # x [N, D], N = batch * local T
         m = self.m
         dtype = torch.promote_types(x.dtype, torch.float32)  # at least fp32
+        # Under TP + EP each tp rank routes other tokens with the same replicated weight: its gradient is summed
+        # over tp (Megatron-LM marks the router weight sequence_parallel and all-reduces it over TP likewise)
+        w = comms.sum_grad_over(self.gate.weight, self.tp_group)
         with torch.autocast(x.device.type, enabled=False):
-            logits = F.linear(x.to(dtype), self.gate.weight.to(dtype))  # [N, E]
+            logits = F.linear(x.to(dtype), w.to(dtype))  # [N, E]
         probs = logits.softmax(-1)  # [N, E]
         choose = group_limited(probs, m.route_groups, m.route_top_groups) if m.route_groups > 1 else probs
         top_p, top_e = choose.topk(m.top_k, dim=-1)  # [N, K]
@@ -138,11 +143,16 @@ class TopKRouter(nn.Module):
             # Under CP f counts the whole sequences (summed over stats_group); the loss is then linear in the
             # local P, so the dp x cp gradient mean of the per-rank losses is the full-sequence loss's gradient.
             counts = _histogram(top_e.flatten(), m.num_experts).float()  # [E]
+            comms.all_reduce_sum_(counts, self.tp_group)  # TP + EP: the micro-batch's slots, every tp rank's
             f = comms.all_reduce_sum_(counts, self.stats_group) / counts.sum()
             aux = m.aux_loss_coef * m.num_experts * (f * probs.mean(0)).sum()
         if m.z_loss_coef > 0:  # ST-MoE router z-loss (Zoph et al. 2022, eq. 5): mean logsumexp^2
             z = m.z_loss_coef * torch.logsumexp(logits, -1).pow(2).mean()
             aux = z if aux is None else aux + z
+        if aux is not None and self.tp_group is not None:
+            # TP + EP: this rank's terms are linear in its local means (f is the micro-batch's), so the loss every
+            # tp rank adds is their mean, with 1/tp of this rank's gradient (summed over tp with the weight's)
+            aux = comms.group_mean_value(aux, self.tp_group)
         return Routing(experts=top_e, weights=weights, keep=keep, aux_loss=aux)
 
 
@@ -212,7 +222,8 @@ class MoE(nn.Module):
         y_slots = y_sent.new_zeros(flat_e.numel(), D).index_copy(0, order, y_sent)  # [S, D]
         y = (y_slots.view(-1, K, D) * r.weights.to(y_slots.dtype).unsqueeze(-1)).sum(1)  # [N, D]
         if self.shared_experts is not None:
-            y = y + self.shared_experts(xf)  # [N, D]: every token, no routing weight
+            y = y + self.shared_experts(x).reshape(-1, D)  # [N, D]: every token, no routing weight (on [B, T, D],
+            # the layout tensor_parallel.block_plan shards it in)
         if self.aux_grad_scale is not None and r.aux_loss is not None and torch.is_grad_enabled():
             y = AuxLossBackward.apply(y, r.aux_loss, self.aux_grad_scale)
         return y.view(B, T, D)

@@ -108,6 +108,39 @@ def all_reduce_sum_(t: torch.Tensor, group: Any) -> torch.Tensor:
     return t
 
 
+class _SumGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, t: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        g = g.contiguous().clone()
+        dist.all_reduce(g, op=dist.ReduceOp.SUM, group=ctx.group)
+        return g, None
+
+
+def sum_grad_over(t: torch.Tensor, group: Any) -> torch.Tensor:
+    """Identity forward, gradient summed over `group` in backward: Megatron-LM's `f`
+    (copy_to_tensor_model_parallel_region, Shoeybi et al. 2019 §3), put on a weight replicated over ranks that
+    apply it to different tokens (the MoE router under TP + EP: each tp rank routes its own sequence shard)."""
+    if group_size(group) == 1:
+        return t
+    return _SumGrad.apply(t, group)
+
+
+def group_mean_value(t: torch.Tensor, group: Any) -> torch.Tensor:
+    """A scalar whose value is the mean of `t` over `group` and whose gradient is this rank's t / W: every rank
+    then holds the same loss term (the replicated loss tensor parallel computes), and the gradients W ranks add
+    up (sum_grad_over) are those of the mean. The value's all-reduce is not differentiated."""
+    W = group_size(group)
+    if W == 1:
+        return t
+    total = all_reduce_sum_(t.detach().clone(), group)
+    return t / W + (total - t.detach()) / W
+
+
 # --------------------------------------------------------------------------- ring exchange (context parallel)
 
 

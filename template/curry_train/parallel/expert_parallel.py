@@ -38,6 +38,7 @@ from curry_train.config import Config
 from curry_train.mesh import ep_meshes
 from curry_train.model.moe import moe_layers
 from curry_train.parallel import comms
+from curry_train.rules import ep_spans_tp
 
 
 def _mark_expert_params(experts: nn.Module, ep_group: Any) -> None:
@@ -55,12 +56,15 @@ def apply_ep(model: nn.Module, mesh: Any, cfg: Config) -> None:
         # ZeroRedundancyOptimizer partitions and broadcasts *every* parameter over dp x cp, which would copy
         # one rank's experts over another's.
         raise ValueError("parallel.zero=1 with parallel.ep>1 is not supported; use zero=0 (DDP) or zero>=2 (FSDP)")
-    # sp=true with ep > 1 is refused before launch (curry_train/rules/validity.py: check)
+    # with tp > 1 the ep group spans the tp ranks (mesh.ep_meshes), each routing its T/tp shard: sp=true is
+    # required before launch (curry_train/rules/validity.py: check)
     ep_mesh, _ = ep_meshes(mesh, ep)
     group, rank = ep_mesh.get_group(), ep_mesh.get_local_rank()
     El = cfg.model.num_experts // ep
+    tp_group = mesh["tp"].get_group() if ep_spans_tp(cfg.model.num_experts, cfg.parallel.tp, ep) else None
     for _, moe in moe_layers(model):
         moe.ep_group = group
+        moe.router.tp_group = tp_group  # TP + EP: the router's gradient and aux-loss statistics over tp
         for name, full in list(moe.experts.named_parameters()):
             # rank `rank` of the group owns experts [rank*El, (rank+1)*El), sliced from the seeded full tensor
             setattr(moe.experts, name, nn.Parameter(full.detach()[rank * El : (rank + 1) * El].clone()))

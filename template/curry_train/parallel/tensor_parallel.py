@@ -49,10 +49,13 @@ from torch.distributed.tensor.parallel import (
 
 from curry_train.config import Config
 from curry_train.model.gpt import FeedForward
+from curry_train.rules import ep_spans_tp
 
 
-def block_plan(sp: bool, dense_ffn: bool = True) -> dict[str, Any]:
-    """TP plan of one transformer block (module name -> ParallelStyle), relative to the block."""
+def block_plan(sp: bool, dense_ffn: bool = True, shared: bool = False, ep_over_tp: bool = False) -> dict[str, Any]:
+    """TP plan of one transformer block (module name -> ParallelStyle), relative to the block. `shared`: the MoE
+    FFN has shared experts; `ep_over_tp`: its experts are expert-parallel over dp x tp (mesh.Topology.ep_over_tp),
+    so each tp rank routes its own T/t tokens."""
     stream = Shard(1) if sp else Replicate()  # residual stream layout: [B, T/t, D] under SP, else [B, T, D]
     plan: dict[str, Any] = {
         # f: [B, T/t, D] --all-gather--> [B, T, D] (SP) or replicated -> one backward reduce for wq, wk and wv.
@@ -72,13 +75,33 @@ def block_plan(sp: bool, dense_ffn: bool = True) -> dict[str, Any]:
             "feed_forward.w3": ColwiseParallel(),  # [B, T, D] -> local [B, T, F/t]
             "feed_forward.w2": RowwiseParallel(output_layouts=stream, use_local_output=not sp),  # -> stream
         })
+    elif ep_over_tp:
+        # MoE FFN under TP + EP (Megatron-LM's expert-tensor-parallel size 1): the routed experts stay whole and
+        # the EP group spans the tp ranks, so each tp rank routes its own [B, T/t, D] sequence shard as a plain
+        # tensor (no gather: the dispatch sees every token once) and hands back its T/t slice. The router is
+        # replicated over tp and its gradient summed there (model/moe.py TopKRouter.tp_group).
+        plan["feed_forward"] = PrepareModuleInputOutput(
+            input_layouts=(stream,), desired_input_layouts=(stream,), use_local_input=True,
+            output_layouts=(stream,), desired_output_layouts=(stream,), use_local_output=False)
     elif sp:
-        # MoE FFN: experts are not tensor-parallel (expert parallelism shards them over dp instead); every tp
-        # rank routes all B*T tokens as plain tensors: all-gather in, keep this rank's T/t slice out. Without SP
-        # the stream is already a plain replicated tensor and the MoE needs no plan.
+        # MoE FFN without EP: experts are not tensor-parallel and every tp rank routes all B*T tokens as plain
+        # tensors: all-gather in, keep this rank's T/t slice out. Without SP the stream is already a plain
+        # replicated tensor and the MoE needs no plan.
         plan["feed_forward"] = PrepareModuleInputOutput(
             input_layouts=(stream,), desired_input_layouts=(Replicate(),), use_local_input=True,
             output_layouts=(Replicate(),), desired_output_layouts=(stream,), use_local_output=False)
+    if shared and not dense_ffn:
+        # The shared experts are a dense SwiGLU every token passes: Megatron's column / row pair, on the plain
+        # tensor the MoE holds ([B, T/t, D] under ep_over_tp, else [B, T, D] replicated): all-gathered in (or
+        # already replicated), reduce-scattered (or all-reduced) back to the same layout, a plain tensor again.
+        held = stream if ep_over_tp else Replicate()
+        plan.update({
+            "feed_forward.shared_experts": PrepareModuleInput(input_layouts=(held,),
+                                                              desired_input_layouts=(Replicate(),)),
+            "feed_forward.shared_experts.w1": ColwiseParallel(),  # -> local [B, T, Fs/t]
+            "feed_forward.shared_experts.w3": ColwiseParallel(),
+            "feed_forward.shared_experts.w2": RowwiseParallel(output_layouts=held),  # -> plain, as it came in
+        })
     if sp:  # norms run on the local T/t tokens; their weights are replicated, weight grads summed over ranks
         plan["attention_norm"] = SequenceParallel()
         plan["ffn_norm"] = SequenceParallel()
@@ -97,8 +120,11 @@ def apply_tp(model: nn.Module, mesh: Any, cfg: Config) -> bool:
     sp = cfg.parallel.sp
     stream = Shard(1) if sp else Replicate()
     vocab_sharded_loss = cfg.model.num_experts == 0
+    ep_over_tp = ep_spans_tp(cfg.model.num_experts, cfg.parallel.tp, cfg.parallel.ep)
     for block in model.layers.values():
-        parallelize_module(block, tp_mesh, block_plan(sp, isinstance(block.feed_forward, FeedForward)))
+        ffn = block.feed_forward
+        parallelize_module(block, tp_mesh, block_plan(sp, isinstance(ffn, FeedForward),
+                                                      getattr(ffn, "shared_experts", None) is not None, ep_over_tp))
 
     root: dict[str, Any] = {}
     if model.tok_embeddings is not None:

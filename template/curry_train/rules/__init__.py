@@ -7,7 +7,8 @@ print(anti_patterns(Config.model_validate({'parallel': {'pp': 2, 'dp': 1}})))"
                 before a process starts; the planner's enumeration uses it as its validity filter), divisors,
                 vocab_pad_hint.
   gates.py      cp_has_proven_need, pp_allowed, tp_allowed, ep_allowed (advice/decide.py never proposes CP
-                without proven need, PP on one node, TP on this template's MoE, EP on a dense model) and the sizes
+                without proven need, PP on one node, EP on a dense model), ep_spans_tp / ep_domain (EP over
+                dp x tp under TP) and the sizes
                 the planner searches: tp_sizes, pp_sizes, hsdp_replicas, cp_sizes.
   patterns.py   anti_patterns: any layout -> [AntiPattern(id, fields, message, fix)]; tests/test_rules.py checks
                 that the advisor's proposals carry none and that skills/stage4-parallel-primitive-intro and the
@@ -27,6 +28,8 @@ from curry_train.rules.gates import (
     cp_has_proven_need,
     cp_sizes,
     ep_allowed,
+    ep_domain,
+    ep_spans_tp,
     hsdp_replicas,
     pp_allowed,
     pp_sizes,
@@ -39,5 +42,5 @@ from curry_train.rules.validity import Problem, check, compile_blockers, divisor
 
 __all__ = ["ACT_SHARE_FOR_CP", "ANTI_PATTERN_RULES", "LONG_CONTEXT", "WITHIN", "AntiPattern", "AntiPatternRule",
            "Problem", "RuleContext", "anti_patterns", "check", "compile_blockers", "cp_has_proven_need", "cp_sizes",
-           "divisors", "ep_allowed", "hsdp_replicas", "pp_allowed", "pp_sizes", "tp_allowed", "tp_blocked_by_vocab",
-           "tp_choices", "tp_sizes", "vocab_pad_hint"]
+           "divisors", "ep_allowed", "ep_domain", "ep_spans_tp", "hsdp_replicas", "pp_allowed", "pp_sizes",
+           "tp_allowed", "tp_blocked_by_vocab", "tp_choices", "tp_sizes", "vocab_pad_hint"]

@@ -1,5 +1,5 @@
 """The ladder's gates: what the advisor and the planner may propose before they weigh it (CP only with proven
-need, PP only across nodes, TP not on this template's MoE, EP only on a MoE), and the sizes they search.
+need, PP only across nodes, EP only on a MoE; TP with EP lays EP over dp x tp), and the sizes they search.
 
     python -c "from curry_train.rules import tp_sizes; from curry_train.config import ModelConfig; \
 print(tp_sizes(ModelConfig(), 8))"
@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from curry_train.rules.validity import divisors
+from curry_train.moe_blocks import tp_split_widths
+from curry_train.rules.validity import divisors, ep_spans_tp
 
 if TYPE_CHECKING:  # type hints only: config.py imports this package at runtime
     from curry_train.config import ModelConfig
@@ -33,8 +34,14 @@ def pp_allowed(nodes: int) -> bool:
 
 
 def tp_allowed(model: ModelConfig) -> bool:
-    """This template's TP plan splits attention only on a MoE model (experts stay replicated): EP is the rung."""
-    return not model.num_experts
+    """TP on any model: on a MoE model attention, dense blocks and shared experts are tensor-parallel and the
+    experts expert-parallel over dp x tp (ep_spans_tp), with sequence parallel on."""
+    return True
+
+
+def ep_domain(dp: int, tp: int, ep: int, num_experts: int = 1) -> int:
+    """The ranks an EP group is carved from (each holding distinct tokens): dp x tp when ep_spans_tp, else dp."""
+    return dp * tp if ep_spans_tp(num_experts, tp, ep) else dp
 
 
 def ep_allowed(model: ModelConfig) -> bool:
@@ -49,7 +56,8 @@ def tp_sizes(model: ModelConfig, gpus_per_node: int) -> list[int]:
     if not tp_allowed(model):
         return [1]
     return [k for k in divisors(gpus_per_node)
-            if k == 1 or all(val % k == 0 for val in (model.n_heads, model.n_kv_heads, model.vocab_size, model.d_ff))]
+            if k == 1 or all(val % k == 0 for val in (model.n_heads, model.n_kv_heads, model.vocab_size,
+                                                     *(w for _, w in tp_split_widths(model))))]
 
 
 def tp_blocked_by_vocab(model: ModelConfig, gpus_per_node: int) -> list[int]:
@@ -57,7 +65,8 @@ def tp_blocked_by_vocab(model: ModelConfig, gpus_per_node: int) -> list[int]:
     if not tp_allowed(model):
         return []
     return [k for k in divisors(gpus_per_node) if k > 1 and model.vocab_size % k
-            and all(val % k == 0 for val in (model.n_heads, model.n_kv_heads, model.d_ff))]
+            and all(val % k == 0 for val in (model.n_heads, model.n_kv_heads,
+                                             *(w for _, w in tp_split_widths(model))))]
 
 
 def pp_sizes(n_layers: int, world: int, nodes: int) -> list[int]:

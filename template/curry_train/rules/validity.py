@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel
 
+from curry_train.moe_blocks import tp_split_widths
 from curry_train.pipeline_split import check_pp_layers
 from curry_train.wrapping import data_parallel_wrapper
 
@@ -30,6 +31,14 @@ class Problem(BaseModel):
 
     def __str__(self) -> str:
         return f"{', '.join(self.fields)}: {self.message}. Fix: {self.fix}"
+
+
+def ep_spans_tp(num_experts: int, tp: int, ep: int) -> bool:
+    """Whether the EP groups are carved from the dp x tp ranks instead of dp alone: a MoE model with tp > 1 and
+    ep > 1 (Megatron-LM's expert-tensor-parallel size 1: experts whole, never TP-split; the EP group takes the tp
+    ranks first, curry_train/mesh.py). Each tp rank then routes its own T/tp sequence shard (sp=true, which
+    check requires, as Megatron-LM's validate_args does for MoE with TP)."""
+    return bool(num_experts) and tp > 1 and ep > 1
 
 
 def divisors(n: int) -> list[int]:
@@ -66,9 +75,10 @@ def check(cfg: Config) -> list[Problem]:
                 bad([field, "parallel.tp"], f"{field.split('.')[1]}={val} is not divisible by tp={p.tp}",
                     f"use tp in {tp_choices(val, h.gpus_per_node)}"
                     + (f" or {vocab_pad_hint(val, p.tp)}" if "vocab" in field else ""))
-        if m.d_ff % p.tp:
-            bad(["model.d_ff", "parallel.tp"], f"d_ff={m.d_ff} is not divisible by tp={p.tp}",
-                "use a tp that divides d_ff")
+        for field, w in tp_split_widths(m):  # the routed experts stay whole under TP
+            if w % p.tp:
+                bad([f"model.{field}", "parallel.tp"], f"the FFN width {w} ({field}) is not divisible by tp={p.tp}",
+                    f"use a tp that divides {w}")
     if p.sp and p.tp == 1:
         bad(["parallel.sp", "parallel.tp"], "sp=true shards the sequence over the TP group, but tp=1",
             "set parallel.tp >= 2 or parallel.sp=false")
@@ -112,9 +122,11 @@ def check(cfg: Config) -> list[Problem]:
             if val != off:
                 bad([f"model.{field}", "model.num_experts"], f"{field}={val} is a MoE setting, but num_experts=0",
                     f"set model.{field}={off}, or model.num_experts > 0")
-    if p.ep > 1 and p.dp % p.ep:
+    if p.ep > 1 and p.tp == 1 and p.dp % p.ep:
         bad(["parallel.ep", "parallel.dp"], f"ep={p.ep} is carved from the dp ranks but does not divide dp={p.dp}",
             f"use ep in {divisors(p.dp)}")
+    if m.num_experts and ep_spans_tp(m.num_experts, p.tp, p.ep):
+        _check_ep_over_tp(m, p, t, bad)
     if t.seq_len % (2 * p.cp) and p.cp > 1:
         bad(["train.seq_len", "parallel.cp"],
             f"seq_len={t.seq_len} is not divisible by 2*cp={2 * p.cp} (each CP rank holds a head and a tail chunk)",
@@ -122,10 +134,6 @@ def check(cfg: Config) -> list[Problem]:
     if p.cp > 1 and p.sp:
         bad(["parallel.cp", "parallel.sp"], "context parallel and sequence parallel both shard the sequence",
             "use parallel.sp=false with cp > 1")
-    if m.num_experts and p.ep > 1 and p.sp:  # parallel/expert_parallel.py routes every token of the sequence
-        bad(["parallel.sp", "parallel.ep"], "sequence parallel with expert parallel is not supported: the "
-            "experts' all-to-all would route only this TP rank's 1/tp of the sequence",
-            "set parallel.sp=false with ep > 1 (or parallel.ep=1)")
     if p.dp_replicate > 1:
         if p.dp % p.dp_replicate:
             bad(["parallel.dp_replicate", "parallel.dp"], f"dp_replicate={p.dp_replicate} does not divide "
@@ -212,6 +220,26 @@ def vocab_pad_hint(vocab: int, tp: int) -> str:
     mult = 64 * tp
     return (f"pad model.vocab_size {vocab} to {-(-vocab // mult) * mult} "
             f"(a multiple of 64*tp = {mult}, as Megatron does)")
+
+
+def _check_ep_over_tp(m: Any, p: Any, t: Any, bad: Any) -> None:
+    """TP with EP: the EP groups are carved from the dp x tp ranks (ep_spans_tp), so each tp rank must hold
+    distinct tokens: sequence parallel's T/tp shard (Megatron-LM validate_args: "When using MoE and tensor
+    parallelism, sequence parallelism must be used"). Without SP every tp rank holds the same tokens and the
+    dispatch would send each token tp times."""
+    if (p.dp * p.tp) % p.ep:
+        bad(["parallel.ep", "parallel.dp", "parallel.tp"], f"ep={p.ep} is carved from the dp*tp={p.dp * p.tp} "
+            "ranks under tensor parallel but does not divide them", f"use ep in {divisors(p.dp * p.tp)}")
+    if not p.sp:
+        bad(["parallel.sp", "parallel.ep", "parallel.tp"], f"tp={p.tp} with ep={p.ep} lays the expert-parallel "
+            "group over the dp x tp ranks, which needs every tp rank to route its own tokens; without sequence "
+            f"parallel each tp rank holds the same tokens and the dispatch would count them {p.tp} times",
+            "set parallel.sp=true (each tp rank routes its T/tp slice, as Megatron-LM requires for MoE with TP), "
+            "or parallel.ep=1")
+    if m.capacity_factor > 0:
+        bad(["model.capacity_factor", "parallel.ep", "parallel.tp"], "token dropping ranks a micro-batch's slots "
+            "over the whole sequence, but with tp and ep > 1 each tp rank routes only its T/tp slice",
+            "set model.capacity_factor=0 (dropless) with tp and ep > 1, or parallel.tp=1")
 
 
 def _check_frontier_moe(m: Any, p: Any, bad: Any) -> None:

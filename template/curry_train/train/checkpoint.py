@@ -146,8 +146,8 @@ def _expert_globaliser(par):
 
     # (pp, edp, ep, cp, tp) -> (pp, tp, ep, edp, cp): edp_cp is edp-major, cp-minor like mesh.ep_meshes' flatten,
     # so FSDP's shard index on it is this mesh's last coordinate.
-    ranks = expert_rank_grid(t).permute(0, 4, 2, 1, 3)
-    mesh = DeviceMesh(par.device.type, ranks.reshape(t.pp * t.tp, t.ep, -1), _init_backend=False,
+    ranks = expert_rank_grid(t).permute(0, 4, 2, 1, 3)  # with ep over dp x tp: (pp, 1, ep, edp, 1)
+    mesh = DeviceMesh(par.device.type, ranks.reshape(-1, t.ep, ranks.shape[3] * ranks.shape[4]), _init_backend=False,
                       mesh_dim_names=("pp_tp", "ep", "edp_cp"))
 
     def glob(p: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -168,6 +168,14 @@ def _needs_tp(cfg: Config) -> str | None:
     return None
 
 
+def _needs_tp_ep(cfg: Config) -> str | None:
+    p = cfg.parallel
+    if not cfg.model.num_experts or p.tp < 2 or p.ep < 2:
+        return f"needs tensor and expert parallelism on a MoE model (model.num_experts > 0, parallel.tp > 1, " \
+               f"parallel.ep > 1; here num_experts={cfg.model.num_experts}, tp={p.tp}, ep={p.ep})"
+    return None
+
+
 def _needs_replicas(cfg: Config) -> str | None:
     if cfg.world_size < 2:
         return "needs more than one rank (a different lr on rank 1 needs a rank 1)"
@@ -246,6 +254,14 @@ CATALOGUE: dict[str, Injection] = {i.name: i for i in (
     Injection("resume-step-reset", "resume", "on resume one tensor's AdamW step counter is not restored (it restarts "
               "at 0: the bias correction of a first step)", "tiny tp=2 resumed from dp=2 zero=3",
               {"config": "tiny", "parallel.tp": 2}, r"attention_norm"),
+    Injection("tp-ep-router-unreduced", "TP+EP", "the router's gradient is not summed over the tp ranks (each "
+              "routed only its T/tp tokens)", "tiny-moe tp=2 sp=true ep=2",
+              {"config": "tiny-moe", "parallel.tp": 2, "parallel.sp": True, "parallel.ep": 2}, r"router\.gate",
+              _needs_tp_ep),
+    Injection("tp-ep-tokens-twice", "TP+EP", "every tp rank dispatches the whole sequence to an EP group that "
+              "spans the tp ranks: each token reaches its experts tp times", "tiny-moe tp=2 sp=true ep=2",
+              {"config": "tiny-moe", "parallel.tp": 2, "parallel.sp": True, "parallel.ep": 2},
+              r"\.(experts|router)\.", _needs_tp_ep),
 )}
 
 

@@ -26,9 +26,10 @@ def planted(name: str | None, cfg: Config, target: str | None = None, resume: bo
         return
     check(name, cfg, resume=resume)
     with contextlib.ExitStack() as stack:
+        from curry_train.validation.plant_moe import PLANTERS as MOE
         from curry_train.validation.plant_numerics import PLANTERS as NUMERICS  # imports this module's helpers
 
-        yield {**PLANTERS, **NUMERICS}[name](stack, cfg, target)
+        yield {**PLANTERS, **NUMERICS, **MOE}[name](stack, cfg, target)
 
 
 def _param_groups(opt: Any) -> list[dict]:
