@@ -108,12 +108,17 @@ def _param_names(par) -> dict[int, tuple[str, torch.Tensor]]:
     return {id(p): (canonical_name(n), p) for part in par.parts for n, p in part.named_parameters()}
 
 
-def _adam_owner(par) -> tuple[torch.optim.Optimizer, list[torch.Tensor]]:
-    """The AdamW that steps this rank's params, and which params it owns (ZeRO-1: its partition)."""
-    opt = par.optimizer
-    inner = getattr(opt, "optim", None)  # ZeroRedundancyOptimizer keeps the local AdamW here
-    owner = inner if inner is not None else opt
-    return owner, [p for g in owner.param_groups for p in g["params"]]
+def _adam_owners(par) -> list[tuple[torch.optim.Optimizer, list[torch.Tensor]]]:
+    """The AdamWs that step this rank's params, each with the params it owns (ZeRO-1: its partition; with
+    experts, one ZeroRedundancyOptimizer for them and one for the rest, parallel/zero.py)."""
+    from curry_train.parallel.zero import zero_optimizers
+
+    out = []
+    for opt in zero_optimizers(par.optimizer):
+        inner = getattr(opt, "optim", None)  # ZeroRedundancyOptimizer keeps the local AdamW here
+        owner = inner if inner is not None else opt
+        out.append((owner, [p for g in owner.param_groups for p in g["params"]]))
+    return out
 
 
 def state_dict(par, *, for_load: bool = False) -> dict[str, torch.Tensor]:
@@ -122,16 +127,16 @@ def state_dict(par, *, for_load: bool = False) -> dict[str, torch.Tensor]:
     names = _param_names(par)
     glob = _expert_globaliser(par)
     out = {f"model.{name}": glob(p, p.detach()) for name, p in names.values()}  # shares storage: loads in place
-    owner, owned = _adam_owner(par)
-    for p in owned:
-        name = names[id(p)][0]
-        st = owner.state.get(p)
-        if not st and for_load:
-            st = owner.state[p] = {"step": torch.zeros((), dtype=torch.float32),
-                                   "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
-                                   "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}
-        for k, v in (st or {}).items():
-            out[f"optim.{name}.{k}"] = glob(p, v) if k != "step" else v
+    for owner, owned in _adam_owners(par):
+        for p in owned:
+            name = names[id(p)][0]
+            st = owner.state.get(p)
+            if not st and for_load:
+                st = owner.state[p] = {"step": torch.zeros((), dtype=torch.float32),
+                                       "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+                                       "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}
+            for k, v in (st or {}).items():
+                out[f"optim.{name}.{k}"] = glob(p, v) if k != "step" else v
     return out
 
 
