@@ -119,3 +119,27 @@ def test_optimizer_state_per_rank_is_the_estimators():
     assert [r[0]["optims"] for r in res] == [2] * 4
     assert len({r[0]["opt"] for r in res}) > 1  # the partitions differ per rank: a real split, not a copy
     assert all(r[1]["mesh"] == ("edp_replicate", "edp_shard_cp") for r in res), res
+
+
+@pytest.mark.timeout(900)
+def test_checkpoint_of_zero1_and_hsdp_with_ep_resumes_in_the_other_layout(tmp_path):
+    """Each layout saves at step 2 (experts under their global index, ZeRO-1's AdamW state on its owners only)
+    and the other resumes it: the four losses are the uninterrupted single-device run's."""
+    from curry_train.train.jobs import rank_jobs
+    from curry_train.train.launch import launch_forkserver
+    from curry_train.train.loop import run_training
+
+    steps = {"train.steps": 4, "train.lr_schedule": "cosine", "train.warmup_steps": 1, "train.grad_clip": 0.5}
+    ref = run_training(load_config(MOE, {**FRONTIER, **steps, "train.global_batch": 16,
+                                         "train.weight_decay": 0.1}))["losses"]
+    layouts = [{**ZERO1, **steps}, {**HSDP, **steps, "train.weight_decay": 0.1}]
+
+    def spec(o, **kw):
+        return {"kind": "train", "config": load_config(MOE, o).to_dict(), "out_dir": str(tmp_path), **kw}
+
+    first = launch_forkserver(rank_jobs, 4, [spec(o, checkpoint_dir=str(tmp_path / f"ck{i}"), save_every=2)
+                                             for i, o in enumerate(layouts)], timeout=600)[0]
+    resumed = launch_forkserver(rank_jobs, 4, [spec(layouts[1 - i], resume=str(tmp_path / f"ck{i}" / "step-000002"))
+                                               for i in range(2)], timeout=600)[0]
+    for i in range(2):
+        assert first[i]["losses"][:2] + resumed[i]["losses"] == pytest.approx(ref, rel=1e-5), (i, ref)
