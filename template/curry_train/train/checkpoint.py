@@ -19,7 +19,8 @@ Experts under ep > 1: a rank holds El = E/ep experts [ep_i*El, (ep_i+1)*El) of e
 dim; parallel/expert_parallel.py), under the same name on every EP rank. Saved as such, the EP ranks' keys would
 collide. So the state dict presents each expert weight as what it is logically: the full [E, D, F] tensor, a
 DTensor over a checkpoint-only mesh (pp*tp, ep, edp_cp as (HSDP replicas, shard)) placed (Replicate, Shard(0),
-Replicate, FSDP's placement on its shard dim or Replicate). DCP then stores every expert at its global offset, under the same key an ep=1 run uses, and any
+Replicate, FSDP's placement on its shard dim or Replicate). DCP then stores every expert at its global offset,
+under the same key an ep=1 run uses, and any
 layout reads back the rows it holds (DTensor nests two Shard(0)s left to right, as FSDP nests inside the EP
 slice). The mesh is built without process groups (`_init_backend=False`): DCP needs only this rank's coordinate.
 
