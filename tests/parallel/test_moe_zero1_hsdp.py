@@ -143,3 +143,22 @@ def test_checkpoint_of_zero1_and_hsdp_with_ep_resumes_in_the_other_layout(tmp_pa
                                                for i in range(2)], timeout=600)[0]
     for i in range(2):
         assert first[i]["losses"][:2] + resumed[i]["losses"] == pytest.approx(ref, rel=1e-5), (i, ref)
+
+
+def test_the_planner_searches_zero1_and_hsdp_with_ep():
+    """Mixtral 8x7B on 4 nodes of 8: ZeRO-1 with EP and HSDP with EP are ranked beside the rest (both were
+    refused by the rules, so the search never priced them), each a config the rules accept."""
+    from curry_train.advice.planner import plan
+    from curry_train.config import Config
+
+    p = plan("mixtral-8x7b", 8, 4, 80.0, 4096, 256, top=100_000)
+    z1 = [r for r in p.ranked if r.parallel["zero"] == 1 and r.parallel["ep"] > 1]
+    hsdp = [r for r in p.ranked if r.parallel["dp_replicate"] > 1 and r.parallel["ep"] > 1]
+    assert z1 and hsdp, (len(z1), len(hsdp))
+    base = load_config(PRESETS / "mixtral-8x7b.yaml", {"hardware.nodes": 4, "train.seq_len": 4096, "train.global_batch": 256})
+    for r in z1 + hsdp:
+        raw = base.to_dict()
+        raw["parallel"].update(r.parallel)
+        raw["train"]["micro_batch"] = r.micro_batch
+        assert check(Config.model_validate(raw)) == [], r.parallel
+        assert expert_replicas(r.parallel["dp"], r.parallel["cp"], r.parallel["ep"], r.parallel["dp_replicate"])
