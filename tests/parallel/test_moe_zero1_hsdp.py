@@ -35,6 +35,8 @@ PASS = [
     HSDP,
     {**HSDP, "parallel.zero": 2},
     {**FRONTIER, "parallel.pp": 2, "parallel.dp": 2, "parallel.ep": 2, "parallel.zero": 1, "train.global_batch": 16},
+    {**HSDP, "parallel.ep": 4},  # EP spans both replicas: each expert shard has one holder (expert_replicas 1)
+    {**HSDP, "parallel.dp": 2, "parallel.cp": 2},  # EP over the replicas, the experts sharded over cp inside one
 ]
 BUGS = [
     (ZERO1, "ep-expert-unreduced"),  # the expert replica all-reduce over edp_cp skipped
