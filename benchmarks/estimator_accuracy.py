@@ -91,6 +91,9 @@ MATRIX: dict[str, dict[str, Any]] = {
     "moe-single": {},
     "moe-ep2": {"parallel.dp": 2, "parallel.ep": 2},
     "moe-ep4-zero3": {"parallel.dp": 4, "parallel.ep": 4, "parallel.zero": 3},
+    "moe-ep2-zero1": {"parallel.dp": 4, "parallel.ep": 2, "parallel.zero": 1},  # experts' ZeRO over edp (zero.py)
+    # HSDP (2 replicas x 2): expert units on their holders as (replicas, shard) (mesh.expert_fsdp_mesh)
+    "moe-ep2-hsdp": {"parallel.dp": 4, "parallel.ep": 2, "parallel.dp_replicate": 2, "parallel.zero": 2},
     "moe-dp2-zero2": {"parallel.dp": 2, "parallel.zero": 2},
     # bf16 compute: autocast (single, DDP, TP, PP) and FSDP mixed precision (zero >= 2)
     "zero2-dp2-bf16-selective": {"parallel.dp": 2, "parallel.zero": 2, "train.dtype": "bfloat16",
@@ -107,6 +110,8 @@ MATRIX: dict[str, dict[str, Any]] = {
     "moe-front-single-bf16": {**_FRONT, **_GROUPS, "train.dtype": "bfloat16"},
     "moe-front-ep2": {**_FRONT, "parallel.dp": 2, "parallel.ep": 2},
     "moe-front-ep2-zero3": {**_FRONT, "parallel.dp": 2, "parallel.ep": 2, "parallel.zero": 3},
+    "moe-front-ep2-hsdp": {**_FRONT, "parallel.dp": 4, "parallel.ep": 2, "parallel.dp_replicate": 2,
+                           "parallel.zero": 3},
     "moe-front-pp2": {**_FRONT, "model.first_k_dense": 2, "parallel.pp": 2},
     # TP + EP: the EP group over the tp pair (2 ranks), and over all dp x tp ranks under FSDP (4 ranks)
     "moe-front-tp2-ep2": {**_FRONT, "parallel.tp": 2, "parallel.sp": True, "parallel.ep": 2},

@@ -11,7 +11,7 @@ Setups (each preset's comment gives its source; published-layout rows are the pa
   opt-175b                        Zhang et al. 2022 (arXiv:2205.01068): FSDP x TP 8 on 992 A100 80 GB
   mt-nlg-530b                     Smith et al. 2022 (arXiv:2201.11990): TP 8 x PP 35 x DP 8 on 2,240 A100 80 GB
   deepseek-v3                     DeepSeek-AI 2024 (arXiv:2412.19437 §3.2): PP 16 x EP 64 x DP 128 on 2,048 H800
-                                  (ZeRO-1 there, ZeRO-2 here: the template refuses ZeRO-1 with EP)
+                                  (ZeRO-1, as published: parallel/zero.py's per-group ZeRO with EP)
   torchtitan rows                 pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md: Llama 3.1 8B
                                   and 70B on H100 96 GB with their measured peak memory (max over GPUs)
 For each: `plan` on the setup's cluster, sequence, batch and micro-batch, and
@@ -55,7 +55,7 @@ SETUPS: list[tuple[str, str, str, float, tuple[int, int, int] | None, dict[str, 
     ("bloom-176b", "bloom-176b", "A100-80", 80.0, (4, 12, 8), {}, None),  # 70 layers over PP12: uneven stages
     ("opt-175b", "opt-175b", "A100-80", 80.0, (8, 1, 124), {}, None),
     ("mt-nlg-530b", "mt-nlg-530b", "A100-80", 80.0, (8, 35, 8), {}, None),
-    # PP16 x EP64 x DP on 2,048 H800; the preset's nearest legal form of its ZeRO-1 (configs/deepseek-v3.yaml)
+    # PP16 x EP64 x ZeRO-1 DP on 2,048 H800 (configs/deepseek-v3.yaml)
     ("deepseek-v3", "deepseek-v3", "H800", 80.0, (1, 16, 128), {}, None),
     # torchtitan: H100 with 96 GB HBM (about 94 GiB usable as the device total); H100 speed
     ("titan-8b-fsdp8", "llama3-8b", "H100", 94.0, (1, 1, 8),

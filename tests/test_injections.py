@@ -21,7 +21,8 @@ from tests.whitebox_pool import whitebox_batch
 # First diverging module each bug must be localised to (the earliest failing step's earliest failing tensor).
 FIRST_LAYER = {"ddp-unreduced-grad": "layers.2", "tp-sp-norm-unreduced": "layers.0", "ep-expert-unreduced": "layers.0",
                "rank-grad-1pct": "layers.0", "mid-layer-forward": "layers.2", "tp-partial-sum-1pct": "layers.2",
-               "tp-ep-router-unreduced": "layers.0"}
+               "tp-ep-router-unreduced": "layers.0",
+               "ep-expert-ep-averaged": "layers.0", "hsdp-expert-no-replica-allreduce": "layers.0"}
 
 
 def _natural(name: str):
@@ -105,7 +106,8 @@ def test_the_catalogue_lists_every_name_with_family_and_layout(capsys):
         "replica-lr", "zero-grad-noop", "rank-grad-1pct", "unseen-rows-grad", "clip-local-norm-fsdp",
         "clip-local-norm-tp", "ddp-rank-sum", "lr-warmup-restart", "mid-layer-forward", "cp-loss-unreduced",
         "ddp-reduce-bf16", "fsdp-reduce-bf16", "tp-partial-sum-1pct", "resume-drops-moments", "resume-step-reset",
-        "tp-ep-router-unreduced", "tp-ep-tokens-twice"]
+        "tp-ep-router-unreduced", "tp-ep-tokens-twice",
+        "ep-expert-ep-averaged", "hsdp-expert-no-replica-allreduce"]
     assert all(r["family"] and r["breaks"] and r["layout"] for r in listing())
 
 
@@ -120,6 +122,9 @@ def test_the_catalogue_lists_every_name_with_family_and_layout(capsys):
     (["--set", "parallel.tp=2", "--inject", "tp-sp-norm-unreduced"], "needs sequence parallel"),
     (["--set", "parallel.dp=2", "--inject", "pp-unscaled-grads"], "needs pipeline parallelism"),
     (["--set", "parallel.dp=2", "--inject", "cp-local-lse"], "needs context parallelism"),
+    (["--set", "parallel.dp=2", "--inject", "ep-expert-ep-averaged"], "this model is dense"),
+    (["--inject", "hsdp-expert-no-replica-allreduce", "--set", "parallel.dp=4", "--set", "parallel.dp_replicate=2",
+      "--set", "parallel.zero=3"], "this model is dense"),
     (["--break-grad-sync", "output.weight"], "dp=1"),  # the old self-test at dp=1 passed silently (issue 20)
     (["--steps", "0"], "at least 1 optimizer step"),
     (["--steps", "-1"], "at least 1 optimizer step"),

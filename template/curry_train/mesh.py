@@ -14,6 +14,7 @@ import torch
 
 from curry_train.config import Config, validate_config
 from curry_train.rules import ep_spans_tp
+from curry_train.wrapping import expert_replicas
 
 AXES = ("pp", "dp", "cp", "tp")
 
@@ -113,7 +114,12 @@ def build_mesh(topo: Topology, device: str, *, dp_replicate: int = 1, experts: b
         views["ep", topo.ep] = (full["ep"], full["edp"])
     elif experts or topo.ep > 1:
         full = mesh._unflatten("dp", (topo.dp // topo.ep, topo.ep), ("edp", "ep"))  # ("pp", "edp", "ep", "cp", "tp")
-        views["ep", topo.ep] = (full["ep"], full["edp", "cp"]._flatten("edp_cp"))
+        edp_cp = full["edp", "cp"]._flatten("edp_cp")
+        views["ep", topo.ep] = (full["ep"], edp_cp)
+        reps = expert_replicas(topo.dp, topo.cp, topo.ep, dp_replicate)  # wrapping.py; None is refused by rules
+        if reps and reps > 1:  # HSDP: the expert holders as (replicas, shard), as fsdp_mesh is for the rest
+            views["ep_fsdp", topo.ep, dp_replicate] = edp_cp._unflatten(
+                "edp_cp", (reps, edp_cp.size() // reps), ("edp_replicate", "edp_shard_cp"))
     mesh.__dict__[_VIEWS] = views
     return mesh
 
@@ -193,3 +199,12 @@ def ep_meshes(mesh, ep: int):
     Every one of those ranks routes distinct tokens (its T/tp sequence shard, sequence parallel).
     """
     return _view(mesh, ("ep", ep), f"expert (ep={ep})")
+
+
+def expert_fsdp_mesh(mesh, ep: int, dp_replicate: int = 1):
+    """The mesh FSDP2 shards an expert unit over: edp_cp (ep_meshes), or under HSDP its 2-D (edp_replicate,
+    edp_shard_cp) form (wrapping.expert_replicas): the expert holders inside one HSDP replica group shard, the
+    replica groups all-reduce, so the expert collectives cross the same links as the dense ones."""
+    if ("ep_fsdp", ep, dp_replicate) in mesh.__dict__.get(_VIEWS, {}):  # built when the experts have replicas
+        return _view(mesh, ("ep_fsdp", ep, dp_replicate), "expert HSDP")
+    return ep_meshes(mesh, ep)[1]

@@ -50,6 +50,24 @@ def fsdp_holds_step(dp: int, cp: int, zero: int, tp: int) -> bool:
     return zero == 1 and data_parallel_wrapper(dp, cp, zero, tp) == "fsdp"
 
 
+def expert_replicas(dp: int, cp: int, ep: int, dp_replicate: int) -> int | None:
+    """How many HSDP replica groups the ranks holding the same experts (mesh "edp_cp": dp/ep x cp of them) span:
+    their FSDP2 mesh is (replicas, dp*cp/ep / replicas), replicated on the first dim, sharded on the second
+    (torchtitan's "dp_mod_ep" mesh under HSDP: dp_replicate x the dp_shard ranks left after EP). 1 without HSDP.
+    None when the EP groups and the replica groups cut across each other (neither ep divides dp/dp_replicate nor
+    dp/dp_replicate divides ep), so the expert replicas would not line up with the dense ones."""
+    if dp_replicate <= 1:
+        return 1
+    if dp % dp_replicate or dp % ep:
+        return None
+    per = dp // dp_replicate  # dp ranks of one replica group
+    if per % ep == 0:  # EP inside a replica: every replica holds each expert shard on per/ep ranks
+        return dp_replicate
+    if ep % per == 0:  # EP spans ep/per replicas: each holder of an expert shard sits in another replica
+        return dp // ep
+    return None
+
+
 def precision_path(dtype: str, dp: int, cp: int, zero: int, tp: int) -> PrecisionPath:
     """fp32 | mp (FSDP's MixedPrecisionPolicy) | autocast (bf16 without FSDP)."""
     if dtype == "float32":

@@ -155,7 +155,11 @@ def _comm(layout: Layout, hw: HardwareProfile, t_compute: float) -> list[CommIte
                 dp_link, None)
         if layout.zero == 1:  # ZeroRedundancyOptimizer broadcasts every parameter from its owner after the step
             n_tensors = len(_block_tensors(layout)) * layers + 3
-            add("zero1", "broadcast", layout.dpcp, 4 * st.n_local, n_tensors, dp_link, None, rails=dp_rails)
+            experts = 4 * st.n_local - st.ddp_buckets if layout.num_experts and layout.ep > 1 else 0
+            n_exp = 3 * layers if experts else 0  # parallel/zero.py: the expert shards' own ZeRO over edp_cp
+            add("zero1", "broadcast", layout.dpcp, 4 * st.n_local - experts, n_tensors - n_exp, dp_link, None,
+                rails=dp_rails)
+            add("zero1", "broadcast", (layout.dp // layout.ep) * layout.cp, experts, n_exp, dp_link, None)
     if layout.fsdp:
         _fsdp(layout, st.all_units, layers, add)
     if layout.tp > 1:
@@ -364,8 +368,11 @@ def _step_time(layout: Layout, hw: HardwareProfile) -> tuple[StepTime, list[Comm
     items = _comm(layout, hw, busy[0])
     exposed = sum(i.exposed_s for i in items)
     st = _states(layout, stage_ids(layout, 0))
-    owners = layout.dpcp if shards_optimizer_only(layout.dp, layout.cp, layout.zero, layout.tp) else 1
-    t_opt = 28.0 * st.n_stored / (hw.mem_bw_gbps * 1e9) / owners
+    stepped = st.n_stored
+    if shards_optimizer_only(layout.dp, layout.cp, layout.zero, layout.tp):  # ZeRO-1 steps its 1/owners share
+        experts = st.n_local - st.ddp_buckets // 4 if layout.num_experts and layout.ep > 1 else 0
+        stepped = (st.n_local - experts) / layout.dpcp + experts / ((layout.dp // layout.ep) * layout.cp)
+    t_opt = 28.0 * stepped / (hw.mem_bw_gbps * 1e9)
     total = span + exposed + t_opt
     model_flops = tokens_step * flops_per_token(layout)
     mfu = model_flops / (total * layout.world * peak) if total > 0 else 0.0

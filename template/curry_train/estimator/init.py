@@ -34,7 +34,7 @@ def init_peak(layout: Layout, pp_rank: int = 0) -> int:
     st = _states(layout, stages)
     n_stages = layout.pp * layout.pp_virtual
     tensors = _block_tensors(layout) + _root_tensors(layout, 0 in stages, n_stages - 1 in stages)
-    edp = layout.edp
+    edp = layout.expert_shard  # the FSDP group of an expert shard (HSDP: inside a replica group)
     dtensor = layout.fsdp or layout.tp > 1
 
     def chunk(tn: _Tensor) -> int:

@@ -13,7 +13,7 @@ from curry_train.config import Config, dense_width, loss_chunk_count, shared_wid
 from curry_train.pipeline_split import layers_per_stage, stage_layer_range
 from curry_train.rules import ep_spans_tp
 from curry_train.sac_rule import saved_matmuls
-from curry_train.wrapping import data_parallel_wrapper, fsdp_holds_step
+from curry_train.wrapping import data_parallel_wrapper, expert_replicas, fsdp_holds_step
 
 GiB = 2**30
 
@@ -64,6 +64,12 @@ class Layout:
     def shard(self) -> int:
         """Ranks a dense parameter is FSDP-sharded over: dp*cp, or dp*cp/dp_replicate under HSDP."""
         return self.dpcp // self.dp_replicate
+
+    @cached_property
+    def expert_shard(self) -> int:
+        """Ranks an expert shard is FSDP-sharded over: its holders (`edp`), under HSDP those of one
+        replica group (wrapping.expert_replicas; parallel/expert_parallel.py fully_shard_experts)."""
+        return self.edp // (expert_replicas(self.dp, self.cp, self.ep, self.dp_replicate) or 1)
 
     @property
     def head_dim(self) -> int:

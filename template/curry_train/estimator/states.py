@@ -13,17 +13,38 @@ from curry_train.wrapping import shards_optimizer_only
 
 
 @lru_cache(maxsize=4096)
-def _zero1_max_share(numels: tuple[int, ...], local: tuple[int, ...], world: int) -> int:
-    """Largest per-rank sum of `local` sizes under ZeroRedundancyOptimizer's partition: parameters sorted by
-    (global) numel, largest first, each to the rank with the smallest total so far (first such rank)."""
+def _zero1_shares(numels: tuple[int, ...], local: tuple[int, ...], world: int) -> tuple[tuple[int, int], ...]:
+    """(sum of `local` sizes, tensor count) per rank under ZeroRedundancyOptimizer's partition: parameters sorted
+    by (global) numel, largest first, each to the rank with the smallest total so far (first such rank)."""
     order = sorted(range(len(numels)), key=lambda i: numels[i], reverse=True)
     heap = [(0, r) for r in range(world)]
-    owned = [0] * world
+    owned, count = [0] * world, [0] * world
     for i in order:
         size, r = heapq.heappop(heap)
         owned[r] += local[i]
+        count[r] += 1
         heapq.heappush(heap, (size + numels[i], r))
-    return max(owned)
+    return tuple(zip(owned, count, strict=True))
+
+
+def _zero1_max_share(numels: tuple[int, ...], local: tuple[int, ...], world: int) -> int:
+    """Largest per-rank sum of `local` sizes under ZeroRedundancyOptimizer's partition."""
+    return max(o for o, _ in _zero1_shares(numels, local, world))
+
+
+def _zero1_expert_opt(layout: Layout, dense: list[_Tensor], experts: list[_Tensor], step_bytes: int) -> tuple[int, int]:
+    """(AdamW bytes, owned parameters) of the worst rank under ZeRO-1 with ep > 1 (parallel/zero.py): the dense
+    tensors partitioned over dp x cp, the expert shards (local [El, ...] sizes) over their edp_cp holders; dp x
+    cp rank d*cp + c is edp_cp rank (d // ep)*cp + c (mesh.ep_meshes)."""
+    d_sh = _zero1_shares(tuple(g if r > 1 else d0 for d0, r, g, _ in dense), tuple(d0 * r for d0, r, _, _ in dense),
+                         layout.dpcp)
+    sizes = tuple(d0 * r for d0, r, _, _ in experts)
+    e_sh = _zero1_shares(sizes, sizes, (layout.dp // layout.ep) * layout.cp)
+    best = (0, 0)
+    for i, (o, c) in enumerate(d_sh):
+        eo, ec = e_sh[(i // layout.cp // layout.ep) * layout.cp + i % layout.cp]
+        best = max(best, (8 * (o + eo) + step_bytes * (c + ec), o + eo))
+    return best
 
 
 @dataclass
@@ -61,7 +82,7 @@ def _states_cached(layout: Layout, stages: tuple[int, ...]) -> _States:
     n_local = sum(n * sum(d0 * r for d0, r, _, _ in ts) for n, ts in kinds) + root_local
     n_tensors = sum(n * len(ts) for n, ts in kinds) + len(root)
     cbytes = 2 if layout.precision == "mp" else 4
-    edp = layout.edp  # the ranks holding the same experts (dp*tp/ep under TP + EP)
+    edp = layout.expert_shard  # an expert shard's FSDP group (edp; under HSDP the holders in one replica group)
     dense_group = layout.shard  # HSDP shards dense tensors over dp*cp/dp_replicate ranks
 
     def group(tn: _Tensor) -> int:
@@ -99,9 +120,13 @@ def _states_cached(layout: Layout, stages: tuple[int, ...]) -> _States:
                        chunk_roots=roots)
     if shards_optimizer_only(layout.dp, layout.cp, layout.zero, layout.tp):  # ZeRO-1 (wrapping.py)
         every = [tn for n, ts in kinds for tn in ts * n] + root
-        owned = _zero1_max_share(tuple(g if r > 1 else d0 for d0, r, g, _ in every),
-                                 tuple(d0 * r for d0, r, _, _ in every), layout.dpcp)
-        opt = 8 * owned + step_bytes * -(-n_tensors // layout.dpcp)
+        if layout.num_experts and layout.ep > 1:  # parallel/zero.py: the experts are partitioned on their own
+            opt, owned = _zero1_expert_opt(layout, [tn for tn in every if tn[3] != "expert"],
+                                           [tn for tn in every if tn[3] == "expert"], step_bytes)
+        else:
+            owned = _zero1_max_share(tuple(g if r > 1 else d0 for d0, r, g, _ in every),
+                                     tuple(d0 * r for d0, r, _, _ in every), layout.dpcp)
+            opt = 8 * owned + step_bytes * -(-n_tensors // layout.dpcp)
         owned_bytes = 4 * owned
     else:
         opt = 8 * n_local + step_bytes * n_tensors

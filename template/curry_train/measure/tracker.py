@@ -117,7 +117,9 @@ class StepMemoryTracker(TorchDispatchMode):
         static: dict[str, list] = {"params": [], "optimizer": [], "pp_buffers": []}
         for p in self.params:
             static["params"] += self._register(p, "pre")
-        opts = [par.optimizer, getattr(par.optimizer, "optim", None)]  # ZeRO-1 keeps the local AdamW in .optim
+        from curry_train.parallel.zero import zero_optimizers  # ZeRO-1 with experts: two (parallel/zero.py)
+
+        opts = [o for z in zero_optimizers(par.optimizer) for o in (z, getattr(z, "optim", None))]  # ZeRO-1: .optim
         for opt in filter(None, opts):
             for state in opt.state.values():
                 for v in state.values():

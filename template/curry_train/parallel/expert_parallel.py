@@ -15,11 +15,15 @@ is summed only over "edp_cp" (mesh.ep_meshes: the dp/ep x cp ranks holding the s
 dp * cp, the same mean-over-ranks the rest of the model gets:
   * DDP (zero 0/1): the expert params are on DDP's ignore list (ddp.py calls `exclude_experts_from_ddp`);
     `sync_expert_grads` all-reduces them over edp_cp at the end of the backward in which DDP syncs (the same
-    `require_backward_grad_sync` flag), one flat all-reduce per backward.
+    `require_backward_grad_sync` flag), one flat all-reduce per backward. ZeRO-1 (zero.py) shards their AdamW
+    state over edp_cp too, with a ZeroRedundancyOptimizer of their own: its broadcast then copies an update
+    only to the ranks holding the same experts.
   * FSDP2 (zero 2/3): fsdp.py calls `fully_shard_experts` before wrapping the blocks: each Experts module gets
     its own FSDP unit over edp_cp with gradient divide factor dp * cp (torchtitan's MoE layout); the block's
     fully_shard then skips those already-managed params. Sharded on the expert dim when El % edp_cp == 0,
-    else on a hidden dim (expert_shard_placement), so a rank holds 1/(ep * edp_cp) of the experts.
+    else on a hidden dim (expert_shard_placement), so a rank holds 1/(ep * edp_cp) of the experts. Under HSDP
+    (dp_replicate > 1) the unit's mesh is edp_cp as (replicas, shard) (mesh.expert_fsdp_mesh): sharded inside
+    a replica group, all-reduced across them, still divided by dp * cp.
 ep = 1 changes nothing: the experts are ordinary replicated params under DDP/FSDP.
 
 White-box: each expert param carries `_curry_gather` (all-gather over the ep group, dim 0), which maps the
@@ -35,7 +39,7 @@ import torch
 from torch import nn
 
 from curry_train.config import Config
-from curry_train.mesh import ep_meshes
+from curry_train.mesh import ep_meshes, expert_fsdp_mesh
 from curry_train.model.moe import moe_layers
 from curry_train.parallel import comms
 from curry_train.rules import ep_spans_tp
@@ -52,10 +56,6 @@ def apply_ep(model: nn.Module, mesh: Any, cfg: Config) -> None:
     ep = cfg.parallel.ep
     if ep == 1:
         return
-    if cfg.parallel.zero == 1:
-        # ZeroRedundancyOptimizer partitions and broadcasts *every* parameter over dp x cp, which would copy
-        # one rank's experts over another's.
-        raise ValueError("parallel.zero=1 with parallel.ep>1 is not supported; use zero=0 (DDP) or zero>=2 (FSDP)")
     # with tp > 1 the ep group spans the tp ranks (mesh.ep_meshes), each routing its T/tp shard: sp=true is
     # required before launch (curry_train/rules/validity.py: check)
     ep_mesh, _ = ep_meshes(mesh, ep)
@@ -141,13 +141,19 @@ def fully_shard_experts(model: nn.Module, mesh: Any, cfg: Config, **fsdp_kwargs:
         return
     from torch.distributed.fsdp import fully_shard
 
-    ep_mesh, edp = ep_meshes(mesh, cfg.parallel.ep)
-    placement = expert_shard_placement(cfg.model.num_experts // cfg.parallel.ep, edp.size())
+    ep_mesh, _ = ep_meshes(mesh, cfg.parallel.ep)
+    edp = expert_fsdp_mesh(mesh, cfg.parallel.ep, cfg.parallel.dp_replicate)  # 2-D under HSDP (mesh.py)
+    shard = edp.size(edp.ndim - 1)  # the ranks an expert weight is split over (HSDP: inside one replica group)
+    placement = expert_shard_placement(cfg.model.num_experts // cfg.parallel.ep, shard)
     for _, moe in moe_layers(model):
         fully_shard(moe.experts, mesh=edp, shard_placement_fn=lambda _p, pl=placement: pl, **fsdp_kwargs)
+        # FSDP2 would divide by its mesh's size (dp*cp/ep); the gradient holds the tokens of all dp*cp ranks
+        # (the all-to-all's backward brought the EP peers' home), so the mean divides by dp*cp (torchtitan's
+        # fsdp_gradient_divide_factor for the experts), HSDP's replicas included.
         moe.experts.set_gradient_divide_factor(float(cfg.parallel.dp * cfg.parallel.cp))
-        if edp.size() > 1:
-            # gloo has no PREMUL_SUM: reduce with SUM, then divide. Not on a 1-rank mesh, where FSDP2 (torch
-            # 2.13 _fsdp_collectives.foreach_reduce) would divide twice (its copy branch and the post-divide).
+        if shard > 1:
+            # gloo has no PREMUL_SUM: reduce with SUM, then divide. Not when the reduce-scatter group is one
+            # rank, where FSDP2 (torch 2.13 _fsdp_collectives.foreach_reduce) divides in its copy branch and
+            # would divide again after the sum; there only HSDP's all-reduce (SUM) runs, after that division.
             moe.experts.set_force_sum_reduction_for_comms(True)
         _mark_expert_params(moe.experts, ep_mesh.get_group())  # fully_shard replaced the Parameters

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from curry_train.moe_blocks import tp_split_widths
 from curry_train.rules.validity import divisors, ep_spans_tp
+from curry_train.wrapping import expert_replicas
 
 if TYPE_CHECKING:  # type hints only: config.py imports this package at runtime
     from curry_train.config import ModelConfig
@@ -80,13 +81,14 @@ def pp_sizes(n_layers: int, world: int, nodes: int) -> list[int]:
 def hsdp_replicas(dp: int, cp: int, tp: int, gpus_per_node: int, zero: int, ep: int = 1) -> int | None:
     """HSDP's dp_replicate where dp*cp spans nodes: the fewest replicas r (dividing dp) whose shard group dp*cp/r
     (at stride tp, curry_train/mesh.py) sits in one node, so only the replica all-reduce crosses nodes (Zhao et
-    al. 2023, "PyTorch FSDP", hybrid sharding). None when FSDP stays in a node, zero < 2 or ep > 1."""
-    if zero < 2 or ep > 1 or dp * cp * tp <= gpus_per_node:
+    al. 2023, "PyTorch FSDP", hybrid sharding). None when FSDP stays in a node, zero < 2, or with ep > 1 when
+    the EP groups cut across those replica groups (wrapping.expert_replicas)."""
+    if zero < 2 or dp * cp * tp <= gpus_per_node:
         return None
     for r in divisors(dp):
         shard = dp * cp // r
         if r > 1 and gpus_per_node % (shard * tp) == 0:  # whole shard groups per node, none straddling two
-            return r if shard >= 2 else None
+            return r if shard >= 2 and expert_replicas(dp, cp, ep, r) is not None else None
     return None
 
 

@@ -16,7 +16,7 @@ from pydantic import BaseModel
 
 from curry_train.moe_blocks import tp_split_widths
 from curry_train.pipeline_split import check_pp_layers
-from curry_train.wrapping import data_parallel_wrapper
+from curry_train.wrapping import data_parallel_wrapper, expert_replicas
 
 if TYPE_CHECKING:  # type hints only: config.py imports this package at runtime
     from curry_train.config import Config
@@ -143,9 +143,11 @@ def check(cfg: Config) -> list[Problem]:
             bad(["parallel.dp_replicate", "parallel.zero"], f"dp_replicate={p.dp_replicate} needs sharded "
                 f"parameters (HSDP = FSDP inside a group, replicas across groups), but zero={p.zero}",
                 "set parallel.zero=2 or 3, or parallel.dp_replicate=1")
-        if m.num_experts and p.ep > 1:
-            bad(["parallel.dp_replicate", "parallel.ep"], "HSDP with expert parallel is not supported (experts "
-                "are sharded over their own expert-data-parallel group)", "use parallel.dp_replicate=1 with ep")
+        elif m.num_experts and p.ep > 1 and expert_replicas(p.dp, p.cp, p.ep, p.dp_replicate) is None:
+            per = p.dp // p.dp_replicate
+            bad(["parallel.dp_replicate", "parallel.ep"], f"the EP groups (ep={p.ep} consecutive dp ranks) and the "
+                f"HSDP replica groups ({per} dp ranks each) cut across each other, so the experts' replicas would "
+                "not line up with the dense ones", f"use an ep that divides {per} or that {per} divides")
     if t.global_batch % (p.dp * t.micro_batch):
         bad(["train.global_batch", "parallel.dp", "train.micro_batch"],
             f"global_batch={t.global_batch} is not divisible by dp*micro_batch={p.dp * t.micro_batch}",
@@ -177,11 +179,10 @@ def check(cfg: Config) -> list[Problem]:
         bad(["parallel.zero", "parallel.pp_schedule"], f"zero={p.zero} (DDP) all-reduces when the last "
             "micro-batch's backward ends, but zero_bubble runs some weight-gradient passes after it (gradients "
             "would be wrong)", "use parallel.zero=2 or 3 with zero_bubble, or pp_schedule=interleaved_1f1b")
-    if m.num_experts and p.ep > 1 and p.zero == 1 and p.dp * p.cp > 1:
-        bad(["parallel.zero", "parallel.ep"], "ZeRO-1 (ZeroRedundancyOptimizer) broadcasts every updated "
-            "parameter from its owner, which would overwrite one EP rank's experts with another's (and its FSDP2 "
-            "form under TP is not proven with expert shards)",
-            "use parallel.zero=0 (DDP) or 2/3 (FSDP, experts sharded over the expert-data-parallel ranks)")
+    if m.num_experts and p.ep > 1 and p.zero == 1 and p.tp > 1:  # without TP: parallel/zero.py's expert groups
+        bad(["parallel.zero", "parallel.ep", "parallel.tp"], "ZeRO-1 with tp > 1 runs on FSDP2 holding the step "
+            "(wrapping.py), a form not proven with expert shards",
+            "use parallel.zero=2/3 with tp and ep, or tp=1 for ZeRO-1 with ep (DDP + per-group ZeRO)")
     if t.compile is True:
         for fields, why in compile_blockers(cfg):
             bad(["train.compile", *fields], f"train.compile=true cannot compile this layout: {why}",

@@ -18,8 +18,9 @@ Experts under ep > 1: a rank holds El = E/ep experts [ep_i*El, (ep_i+1)*El) of e
 [El, D, F] tensor under DDP, or FSDP2's DTensor of it over the edp_cp mesh, sharded on the expert or a hidden
 dim; parallel/expert_parallel.py), under the same name on every EP rank. Saved as such, the EP ranks' keys would
 collide. So the state dict presents each expert weight as what it is logically: the full [E, D, F] tensor, a
-DTensor over a checkpoint-only mesh (pp*tp, ep, edp_cp) placed (Replicate, Shard(0), FSDP's placement or
-Replicate). DCP then stores every expert at its global offset, under the same key an ep=1 run uses, and any
+DTensor over a checkpoint-only mesh (pp*tp, ep, edp_cp as (HSDP replicas, shard)) placed (Replicate, Shard(0),
+Replicate, FSDP's placement on its shard dim or Replicate). DCP then stores every expert at its global offset,
+under the same key an ep=1 run uses, and any
 layout reads back the rows it holds (DTensor nests two Shard(0)s left to right, as FSDP nests inside the EP
 slice). The mesh is built without process groups (`_init_backend=False`): DCP needs only this rank's coordinate.
 
@@ -49,6 +50,7 @@ import torch.distributed as dist
 
 from curry_train.config import Config, ConfigError, Problem
 from curry_train.mesh import expert_rank_grid
+from curry_train.wrapping import expert_replicas
 
 FORMAT_VERSION = 1
 META = "curry_meta.json"
@@ -108,12 +110,17 @@ def _param_names(par) -> dict[int, tuple[str, torch.Tensor]]:
     return {id(p): (canonical_name(n), p) for part in par.parts for n, p in part.named_parameters()}
 
 
-def _adam_owner(par) -> tuple[torch.optim.Optimizer, list[torch.Tensor]]:
-    """The AdamW that steps this rank's params, and which params it owns (ZeRO-1: its partition)."""
-    opt = par.optimizer
-    inner = getattr(opt, "optim", None)  # ZeroRedundancyOptimizer keeps the local AdamW here
-    owner = inner if inner is not None else opt
-    return owner, [p for g in owner.param_groups for p in g["params"]]
+def _adam_owners(par) -> list[tuple[torch.optim.Optimizer, list[torch.Tensor]]]:
+    """The AdamWs that step this rank's params, each with the params it owns (ZeRO-1: its partition; with
+    experts, one ZeroRedundancyOptimizer for them and one for the rest, parallel/zero.py)."""
+    from curry_train.parallel.zero import zero_optimizers
+
+    out = []
+    for opt in zero_optimizers(par.optimizer):
+        inner = getattr(opt, "optim", None)  # ZeroRedundancyOptimizer keeps the local AdamW here
+        owner = inner if inner is not None else opt
+        out.append((owner, [p for g in owner.param_groups for p in g["params"]]))
+    return out
 
 
 def state_dict(par, *, for_load: bool = False) -> dict[str, torch.Tensor]:
@@ -122,16 +129,16 @@ def state_dict(par, *, for_load: bool = False) -> dict[str, torch.Tensor]:
     names = _param_names(par)
     glob = _expert_globaliser(par)
     out = {f"model.{name}": glob(p, p.detach()) for name, p in names.values()}  # shares storage: loads in place
-    owner, owned = _adam_owner(par)
-    for p in owned:
-        name = names[id(p)][0]
-        st = owner.state.get(p)
-        if not st and for_load:
-            st = owner.state[p] = {"step": torch.zeros((), dtype=torch.float32),
-                                   "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
-                                   "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}
-        for k, v in (st or {}).items():
-            out[f"optim.{name}.{k}"] = glob(p, v) if k != "step" else v
+    for owner, owned in _adam_owners(par):
+        for p in owned:
+            name = names[id(p)][0]
+            st = owner.state.get(p)
+            if not st and for_load:
+                st = owner.state[p] = {"step": torch.zeros((), dtype=torch.float32),
+                                       "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+                                       "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}
+            for k, v in (st or {}).items():
+                out[f"optim.{name}.{k}"] = glob(p, v) if k != "step" else v
     return out
 
 
@@ -147,17 +154,19 @@ def _expert_globaliser(par):
     # (pp, edp, ep, cp, tp) -> (pp, tp, ep, edp, cp): edp_cp is edp-major, cp-minor like mesh.ep_meshes' flatten,
     # so FSDP's shard index on it is this mesh's last coordinate.
     ranks = expert_rank_grid(t).permute(0, 4, 2, 1, 3)  # with ep over dp x tp: (pp, 1, ep, edp, 1)
-    mesh = DeviceMesh(par.device.type, ranks.reshape(-1, t.ep, ranks.shape[3] * ranks.shape[4]), _init_backend=False,
-                      mesh_dim_names=("pp_tp", "ep", "edp_cp"))
+    # HSDP (mesh.expert_fsdp_mesh): edp_cp as (replicas, shard), replicas slowest; FSDP2's placement is 2-D then
+    reps = expert_replicas(t.dp, t.cp, t.ep, cfg.parallel.dp_replicate) or 1
+    mesh = DeviceMesh(par.device.type, ranks.reshape(ranks.shape[0] * ranks.shape[1], t.ep, reps, -1),
+                      _init_backend=False, mesh_dim_names=("pp_tp", "ep", "edp_replicate", "edp_shard_cp"))
 
     def glob(p: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if not getattr(p, "_curry_expert", False):
             return v
-        inner = v.placements[0] if isinstance(v, DTensor) else Replicate()  # FSDP2's 1-D edp_cp placement
+        inner = v.placements[-1] if isinstance(v, DTensor) else Replicate()  # FSDP2's placement on the shard dim
         shape = (cfg.model.num_experts, *v.shape[1:])  # v.shape: [El, ...] (global over edp_cp for a DTensor)
         local = v.to_local() if isinstance(v, DTensor) else v
-        return DTensor.from_local(local, mesh, (Replicate(), Shard(0), inner), run_check=False, shape=shape,
-                                  stride=torch.empty(shape, device="meta").stride())
+        return DTensor.from_local(local, mesh, (Replicate(), Shard(0), Replicate(), inner), run_check=False,
+                                  shape=shape, stride=torch.empty(shape, device="meta").stride())
 
     return glob
 

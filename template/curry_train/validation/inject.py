@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from curry_train.config import Config
-from curry_train.wrapping import data_parallel_wrapper, dp_group_size, shards_optimizer_only
+from curry_train.wrapping import data_parallel_wrapper, dp_group_size, expert_replicas, shards_optimizer_only
 
 
 class WhiteboxInputError(ValueError):
@@ -100,14 +100,30 @@ def _needs_pp(cfg: Config) -> str | None:
     return None  # config.check already requires >= pp micro-batches, so the missing 1/m is never 1
 
 
-def _needs_ep(cfg: Config) -> str | None:
+def _needs_experts(cfg: Config) -> str | None:
     if cfg.model.num_experts == 0:
         return "plants in the expert-gradient reduction, but this model is dense (model.num_experts=0); use a " \
                "MoE config such as tiny-moe with parallel.ep > 1"
     if cfg.parallel.ep < 2:
         return f"needs expert parallelism (parallel.ep > 1; here ep={cfg.parallel.ep})"
-    if cfg.parallel.zero != 0:
-        return f"plants in the DDP expert sync (parallel.zero=0); here zero={cfg.parallel.zero}"
+    return None
+
+
+def _needs_ep(cfg: Config) -> str | None:
+    if _needs_experts(cfg):
+        return _needs_experts(cfg)
+    if _wrapper(cfg) != "ddp":
+        return f"plants in the DDP expert sync (parallel.zero=0 or 1 with dp*cp > 1); here zero={cfg.parallel.zero}"
+    return None
+
+
+def _needs_ep_hsdp(cfg: Config) -> str | None:
+    p = cfg.parallel
+    if _needs_hsdp(cfg) or _needs_experts(cfg):
+        return _needs_hsdp(cfg) or _needs_experts(cfg)
+    if (expert_replicas(p.dp, p.cp, p.ep, p.dp_replicate) or 1) < 2:
+        return f"needs expert shards held in more than one HSDP replica group (here dp={p.dp}, ep={p.ep}, " \
+               f"dp_replicate={p.dp_replicate}: each expert shard lives in one replica)"
     return None
 
 
@@ -262,6 +278,15 @@ CATALOGUE: dict[str, Injection] = {i.name: i for i in (
               "spans the tp ranks: each token reaches its experts tp times", "tiny-moe tp=2 sp=true ep=2",
               {"config": "tiny-moe", "parallel.tp": 2, "parallel.sp": True, "parallel.ep": 2},
               r"\.(experts|router)\.", _needs_tp_ep),
+    Injection("ep-expert-ep-averaged", "EP", "expert gradients are also averaged over the EP group, as if each EP "
+              "rank's experts were a replica of the others'", "tiny-moe dp=2 ep=2 zero=1",
+              {"config": "tiny-moe", "parallel.dp": 2, "parallel.ep": 2, "parallel.zero": 1}, r"\.experts\.",
+              _needs_experts),
+    Injection("hsdp-expert-no-replica-allreduce", "HSDP", "expert gradient shards are never all-reduced across "
+              "the HSDP replica groups (the dense ones are): each replica's experts step on its half of the batch",
+              "tiny-moe dp=4 ep=2 dp_replicate=2 zero=3",
+              {"config": "tiny-moe", "parallel.dp": 4, "parallel.ep": 2, "parallel.dp_replicate": 2,
+               "parallel.zero": 3}, r"\.experts\.", _needs_ep_hsdp),
 )}
 
 

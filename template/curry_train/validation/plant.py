@@ -26,17 +26,22 @@ def planted(name: str | None, cfg: Config, target: str | None = None, resume: bo
         return
     check(name, cfg, resume=resume)
     with contextlib.ExitStack() as stack:
+        from curry_train.validation.plant_experts import PLANTERS as EXPERTS
         from curry_train.validation.plant_moe import PLANTERS as MOE
         from curry_train.validation.plant_numerics import PLANTERS as NUMERICS  # imports this module's helpers
 
-        yield {**PLANTERS, **NUMERICS, **MOE}[name](stack, cfg, target)
+        yield {**PLANTERS, **NUMERICS, **MOE, **EXPERTS}[name](stack, cfg, target)
 
 
 def _param_groups(opt: Any) -> list[dict]:
     """The optimizer's param groups, plus the wrapped local optimizer's (ZeroRedundancyOptimizer.optim)."""
+    from curry_train.parallel.zero import zero_optimizers  # ZeRO-1 with experts: one per group
+
     groups = list(opt.param_groups)
-    inner = getattr(opt, "optim", None)
-    return groups + (list(inner.param_groups) if inner is not None else [])
+    for z in zero_optimizers(opt):
+        inner = getattr(z, "optim", None)
+        groups += list(inner.param_groups) if inner is not None else []
+    return groups
 
 
 def ddp_unreduced_grad(stack, cfg: Config, target: str | None) -> Planted:
