@@ -43,7 +43,7 @@ def check_attention(m: Any, p: Any, bad: Any) -> None:
     if m.v_head_dim > m.qk_nope_head_dim + m.qk_rope_head_dim:
         bad(["model.v_head_dim", "model.qk_nope_head_dim"], f"v_head_dim={m.v_head_dim} exceeds the query/key head "
             f"dim {m.qk_nope_head_dim + m.qk_rope_head_dim}: model/mla.py pads v up to it for the fused kernels",
-            f"use v_head_dim <= qk_nope_head_dim + qk_rope_head_dim (DeepSeek-V3: 128 <= 192)")
+            "use v_head_dim <= qk_nope_head_dim + qk_rope_head_dim (DeepSeek-V3: 128 <= 192)")
     if m.n_kv_heads != m.n_heads:
         bad(["model.n_kv_heads", "model.attention"], f"attention=mla up-projects a K and a V for every query head "
             f"(n_heads={m.n_heads}), but n_kv_heads={m.n_kv_heads}", f"set model.n_kv_heads={m.n_heads}")
