@@ -106,3 +106,34 @@ def test_existing_attention_configs_unchanged():
     assert cfg.model.attention == "gqa" and not cfg.model.kv_lora_rank
     assert load_config(TINY, {"model.attention": "mha", "model.n_kv_heads": 8}).model.n_kv_heads == 8
     assert not isinstance(build_model(cfg).layers["0"].attention, MLAttention)
+
+
+@pytest.mark.parametrize("overrides", [{}, {"model.q_lora_rank": 0}, {"parallel.tp": 2}],
+                         ids=["q-latent", "no-q-latent", "tp2-local"])
+def test_saved_activations_are_the_estimators(overrides):
+    """What one MLA attention's autograd keeps (unique storages, less the weights, its input and the RoPE rows) is
+    estimator/mla.py's mla_saved exactly: the fused kernel runs (v padded to the qk dims), so no [B, H, T, T]
+    softmax is saved. tp2: the rank-local module (H/2 heads, replicated latents) built directly."""
+    from curry_train.estimator.layout import layout_of
+    from curry_train.estimator.mla import mla_saved
+    from curry_train.model.gpt import RMSNorm, apply_rope, causal_attention
+
+    cfg = load_config(MLA, {k: v for k, v in overrides.items() if k != "parallel.tp"})
+    m = cfg.model.model_copy(update={"n_heads": cfg.model.n_heads // overrides.get("parallel.tp", 1)})
+    att = MLAttention(m, RMSNorm, apply_rope, causal_attention)
+    model = build_model(cfg)
+    x = torch.randn(2, 64, 64, requires_grad=True)
+    cos, sin = model.rope_cos, model.rope_sin
+    skip = {t.untyped_storage().data_ptr() for t in (x, cos, sin, *att.parameters())}
+    kept: dict[int, int] = {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in skip:
+            kept[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        att(x, cos, sin)
+    layout = layout_of(load_config(MLA, overrides))
+    assert sum(kept.values()) == mla_saved(layout, 2 * 64, 4)

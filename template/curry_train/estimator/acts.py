@@ -11,7 +11,7 @@ from functools import lru_cache
 
 from curry_train.config import loss_chunk_count
 from curry_train.estimator.layout import Layout, _block_tensors, block_matmuls
-from curry_train.estimator.mla import mla_core_out_width, mla_saved
+from curry_train.estimator.mla import mla_core_out_width, mla_matmuls, mla_saved
 from curry_train.sac_rule import saved_matmuls
 
 
@@ -115,7 +115,8 @@ def _acts(layout: Layout) -> _Acts:
                  targets=n * 8, logits=c * nc * Vl, grad_logits=c * nc * Vl, dy_head=c * n * D,
                  grad_logits_all=c * n * Vl, chunks=k, chunk_targets=nc * 8,
                  rope=2 * T * (layout.rope_dim // 2) * 4, stream=stream, d_stream=stream,
-                 lin_out_grads=n * (Dq + 2 * Dkv + 2 * D + (2 * Fl if not layout.num_experts else 0)) * c,
+                 lin_out_grads=n * ((sum(w for _, w, _, _ in mla_matmuls(layout, n)) - D if layout.mla else
+                                     Dq + 2 * Dkv) + 2 * D + (2 * Fl if not layout.num_experts else 0)) * c,
                  ring_bwd=_ring_backward(layout, n, Dq, Dkv, Hl, c) if cp_ring else 0, post_attn=wo_in + norms // 2,
                  shared_prod=n * layout.shared_d_ff * c if layout.num_experts else 0)
 
