@@ -137,3 +137,25 @@ def test_saved_activations_are_the_estimators(overrides):
         att(x, cos, sin)
     layout = layout_of(load_config(MLA, overrides))
     assert sum(kept.values()) == mla_saved(layout, 2 * 64, 4)
+
+
+def test_tp_prices_the_replicated_down_projections_on_every_rank(monkeypatch):
+    """Under TP each rank runs wq_a and wkv_a whole (tensor_parallel.mla_plan): the blocks' linear time at tp2 holds
+    (1 - 1/tp) of the down-projections' FLOPs more than an even split by tp would."""
+    import curry_train.estimator.comm as comm
+    from curry_train.estimator.compute import block_rates
+    from curry_train.estimator.layout import layout_of
+    from curry_train.estimator.mla import mla_replicated_flops_per_token
+    from curry_train.estimator.profiles import from_device_name
+
+    hw = from_device_name("H100")
+    two = layout_of(load_config(MLA, {"model.d_model": 2048, "model.q_lora_rank": 1024, "model.kv_lora_rank": 512,
+                                      "train.seq_len": 512, "parallel.tp": 2}))
+    rep = mla_replicated_flops_per_token(two)
+    assert rep == 6.0 * 4 * (1024 + 512 + 4) * 2048
+    with_rep = comm._stage_costs(two, hw)[0]
+    monkeypatch.setattr(comm, "mla_replicated_flops_per_token", lambda x: 0.0)
+    tokens = two.global_batch * two.seq_len / two.dp
+    lin_eff = block_rates(two, hw)[0]
+    extra = tokens * rep * 0.5 / (hw.peak_flops(two.dtype) * lin_eff)
+    assert with_rep - comm._stage_costs(two, hw)[0] == pytest.approx(extra, rel=1e-9)

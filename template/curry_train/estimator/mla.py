@@ -68,3 +68,12 @@ def mla_core_flops_per_token(x: Any) -> float:
     multiply-add, x3 for backward, at the causal half: 6 L H s (qk + Dv) / 2."""
     qk = x.qk_nope_head_dim + x.qk_rope_head_dim
     return 3.0 * x.n_layers * x.n_heads * x.seq_len * (qk + x.v_head_dim)
+
+
+def mla_replicated_flops_per_token(x: Any) -> float:
+    """Forward + backward FLOPs per token of the down-projections (wq_a, wkv_a) that TP replicates: every rank runs
+    them whole (6 FLOPs per parameter per token; a full recompute reruns their forward, x 4/3)."""
+    if x.attention != "mla":
+        return 0.0
+    rep = (x.q_lora_rank + x.kv_lora_rank + x.qk_rope_head_dim) * x.d_model
+    return 6.0 * x.n_layers * rep * (4.0 / 3.0 if x.recompute == "full" else 1.0)
