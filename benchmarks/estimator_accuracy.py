@@ -34,7 +34,7 @@ from curry_train.breakdown import CATEGORIES, split  # the category contract bot
 
 _FRONT = {"model.n_shared_experts": 1, "model.first_k_dense": 1, "model.dense_d_ff": 96}  # DeepSeekMoE's blocks
 _GROUPS = {"model.route_groups": 2, "model.route_top_groups": 1}  # node-limited routing (DeepSeek-V3 §2.1.2)
-# name -> overrides on configs/tiny.yaml (or tiny-moe.yaml when the name starts with "moe")
+# name -> overrides on configs/tiny.yaml (tiny-moe.yaml when the name starts with "moe", tiny-mla.yaml "mla")
 MATRIX: dict[str, dict[str, Any]] = {
     "single": {},
     "single-bf16": {"train.dtype": "bfloat16"},
@@ -148,6 +148,13 @@ MATRIX: dict[str, dict[str, Any]] = {
                             "train.micro_batch": 1, "parallel.recompute": "full"},
     "zero2-keep-dp2-bf16": {"parallel.dp": 2, "parallel.zero": 2, "parallel.fsdp_keep_gathered": True,
                             "train.dtype": "bfloat16"},
+    # DeepSeek's multi-head latent attention (model/mla.py): latents, up-projections, v_head_dim != qk dims
+    "mla-single": {},
+    "mla-single-noqlora": {"model.q_lora_rank": 0},
+    "mla-single-bf16": {"train.dtype": "bfloat16"},
+    "mla-single-selective": {"parallel.recompute": "selective"},
+    "mla-zero3-dp2-bf16": {"parallel.dp": 2, "parallel.zero": 3, "train.dtype": "bfloat16"},
+    "mla-tp2-sp": {"parallel.tp": 2, "parallel.sp": True},
 }
 
 COMPONENTS = (*CATEGORIES, "total")
@@ -201,7 +208,8 @@ def available(name: str) -> bool:
 def config_for(name: str):
     from curry_train.estimator import load_any
 
-    return load_any("tiny-moe" if name.startswith("moe") else "tiny", MATRIX[name])
+    base = "tiny-moe" if name.startswith("moe") else "tiny-mla" if name.startswith("mla") else "tiny"
+    return load_any(base, MATRIX[name])
 
 
 def measure(names: list[str], timeout: float = 900.0) -> dict[str, list[dict[str, Any]]]:

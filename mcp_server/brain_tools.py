@@ -267,8 +267,8 @@ async def import_hf_config(
     """Write a config from a Llama, Mistral, Mixtral, Qwen2, Gemma or DeepSeek-V3 config.json: every field the
     template models (layers, hidden, FFN, heads, KV heads, vocabulary, RoPE theta, norm eps, experts, top-k).
     What the template cannot express is refused field by field, nothing written: structural differences
-    (MLA, shared experts, dense first layers, a tied head, another head_dim) always, behavioural ones (biases,
-    sliding window beyond seq_len, RoPE scaling, another activation) unless named in `accept`. Then
+    (a tied head, another head_dim) always, behavioural ones (biases, sliding window beyond seq_len, RoPE
+    scaling, another activation, DeepSeek-V3's sigmoid router and MTP layer) unless named in `accept`. Then
     estimate_memory, plan or export_layout it by name."""
     from curry_train.store.hf_import import import_hf_config as do_import
 

@@ -53,7 +53,7 @@ def test_missing_configs_and_unsafe_names_are_refused_with_the_way_out(project):
     before = sorted(p.name for p in (project / "configs").glob("*.yaml"))
     with pytest.raises(FileNotFoundError, match="tiny"):
         update_config("new", {"parallel.dp": 2}, root=project)  # no base, no existing file
-    with pytest.raises(FileNotFoundError, match="available: .*tiny, tiny-moe"):
+    with pytest.raises(FileNotFoundError, match="available: .*tiny, .*tiny-moe"):
         update_config("new", {}, base="nope", root=project)
     for bad in ("../x", "/etc/passwd", "a/b", "con", "x" * 80):
         with pytest.raises(UnsafeName):

@@ -119,19 +119,19 @@ def test_sliding_window_is_exact_up_to_its_length_and_refused_beyond(tmp_path):
     assert "seq_len <= 4096" in e.value.problems[0].message
 
 
-def test_deepseek_v3_refused_naming_every_unsupported_field(tmp_path):
-    """No MLA or MTP in the template yet: each is named, none can be accepted. Its shared expert, dense first
-    layers and group-limited routing map onto the model (configs/deepseek-v3.yaml's fields)."""
+DS_BEHAVIOUR = ["rope_scaling", "scoring_func", "topk_method", "routed_scaling_factor", "num_nextn_predict_layers"]
+
+
+def test_deepseek_v3_refuses_only_what_the_template_lacks(tmp_path):
+    """MLA, the shared expert, dense first layers and group-limited routing map onto the model; what is left is
+    behavioural and named field by field: YaRN RoPE scaling, V3's sigmoid router with its aux-loss-free bias
+    (topk_method noaux_tc) and scaling, and the MTP layer the template does not train. Nothing is structural."""
     root = _root(tmp_path)
     with pytest.raises(ConfigError) as e:
-        import_hf_config(json.dumps(DEEPSEEK_V3), "ds", accept=["rope_scaling"], root=root)
+        import_hf_config(json.dumps(DEEPSEEK_V3), "ds", root=root)
     named = {f for p in e.value.problems for f in p.fields}
-    structural = {"q_lora_rank", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim",
-                  "num_nextn_predict_layers"}
-    assert {f"config.json:{k}" for k in structural | {"scoring_func", "routed_scaling_factor"}} <= named
-    assert "config.json:rope_scaling" not in named  # accepted, but the structural ones still refuse
-    mapped = {f"config.json:{k}" for k in ("n_shared_experts", "first_k_dense_replace", "n_group", "topk_group")}
-    assert not mapped & named
+    assert named == {f"config.json:{k}" for k in DS_BEHAVIOUR}
+    assert all("accept it" in p.fix for p in e.value.problems)  # each behavioural: accept admits it
     from curry_train.store.hf_import import _mapping
 
     changes, keys, _ = _mapping(DEEPSEEK_V3)
@@ -140,6 +140,22 @@ def test_deepseek_v3_refused_naming_every_unsupported_field(tmp_path):
         "model.n_shared_experts": 1, "model.first_k_dense": 3, "model.dense_d_ff": 18432, "model.d_ff": 2048,
         "model.route_groups": 8, "model.route_top_groups": 4}
     assert keys["intermediate_size"] == "model.dense_d_ff"
+
+
+def test_deepseek_v3_imports_as_mla_to_its_parameter_count(tmp_path):
+    """The card's 671B main model within 1% (its 685B less the 14B MTP module, which the accepted
+    num_nextn_predict_layers difference accounts for)."""
+    root = _root(tmp_path)
+    out = import_hf_config(_write(tmp_path, DEEPSEEK_V3), "ds", accept=DS_BEHAVIOUR, root=root)
+    written = yaml.safe_load((root / "configs" / "local" / "ds.yaml").read_text())
+    m = written["model"]
+    assert (m["attention"], m["q_lora_rank"], m["kv_lora_rank"], m["qk_nope_head_dim"], m["qk_rope_head_dim"],
+            m["v_head_dim"]) == ("mla", 1536, 512, 128, 64, 128)
+    est = estimate_memory(written)
+    assert est.param_count == out.param_count and abs(est.param_count - 671e9) / 671e9 < 0.01
+    (mtp,) = [d for d in out.accepted if d.field == "num_nextn_predict_layers"]
+    assert abs(est.param_count + mtp.params - 685e9) / 685e9 < 0.01 and out.param_count_of_accepted == mtp.params
+    assert f"{est.param_count:,}" in INTEROP_DOC
 
 
 def test_gemma_refused_for_its_tied_head_head_dim_and_geglu(tmp_path):

@@ -51,6 +51,15 @@ class ModelConfig(_Section):
                                                   "(DeepSeek-V3 node-limited routing); 1 = off.")
     route_top_groups: int = Field(1, ge=1, description="Groups each token may route into, chosen by the sum of "
                                                       "their top-2 router probabilities (<= route_groups).")
+    attention: Literal["mha", "gqa", "mla"] = Field(
+        "gqa", description="gqa: n_kv_heads K/V heads (mha: the n_kv_heads == n_heads case); mla: DeepSeek's "
+                           "multi-head latent attention (model/mla.py) with the five ranks and head dims below.")
+    q_lora_rank: int = Field(0, ge=0, description="MLA: query down-projection rank; 0 = no query compression.")
+    kv_lora_rank: int = Field(0, ge=0, description="MLA: rank of the compressed KV latent c_kv (DeepSeek-V3: 512).")
+    qk_nope_head_dim: int = Field(0, ge=0, description="MLA: per-head query/key dims without RoPE (V3: 128).")
+    qk_rope_head_dim: int = Field(0, ge=0, description="MLA: per-head query/key RoPE dims, the key's shared by "
+                                                      "every head (V3: 64; even).")
+    v_head_dim: int = Field(0, ge=0, description="MLA: per-head value dims (V3: 128).")
     rope_theta: float = Field(10000.0, gt=0.0, description="RoPE base frequency.")
     norm_eps: float = Field(1e-5, gt=0.0, description="RMSNorm epsilon.")
 

@@ -52,6 +52,7 @@ Communication uses ring factors and alpha-beta times per link (intra vs inter no
 
 Files, in the one direction they compute (each imports only files above it; tests/test_architecture.py checks
 it); this one holds the public API and the result models and re-exports the others:
+  mla.py        multi-head latent attention's tensors, matmuls and saved bytes (read by layout, acts, compute)
   layout.py     Layout, the flat view of a config the arithmetic reads (its fields named as the Config's), the
                 parameter tensors a rank holds, counts, FLOPs
   states.py     model states: params, gradients, AdamW state and the DDP / ZeRO-1 / FSDP buffers around them

@@ -11,6 +11,7 @@ from functools import lru_cache
 
 from curry_train.config import loss_chunk_count
 from curry_train.estimator.layout import Layout, _block_tensors, block_matmuls
+from curry_train.estimator.mla import mla_core_out_width, mla_matmuls, mla_saved
 from curry_train.sac_rule import saved_matmuls
 
 
@@ -64,10 +65,14 @@ def _acts(layout: Layout) -> _Acts:
     # LSE: flash on CPU, memory-efficient elsewhere) both save q, the un-repeated k, v, out and the fp32 lse.
     attn = n * (Dq * c + 2 * Dkv * c + Dq * c + Hl * 4)
     wo_in = n * Dq * c
+    if layout.mla:  # estimator/mla.py: latents, up-projections and the core; wo's input [n, Hl Dv]
+        wo_in = n * Hl * layout.v_head_dim * c
+        attn = mla_saved(layout, n, c) - wo_in
     # model/lean.py RMSNorm saves its input (residual dtype) and the fp32 rstd [n, 1], for each of the 2 norms
     norms = 2 * nn_ * (r * D + 4)
     if path == "autocast":
-        y1, y2 = 3 * 2 * n * D, 2 * 2 * n * D  # bf16 casts: one per wq, wk, wv; one per w1, w3
+        # bf16 casts: one per wq, wk, wv (MLA: wq or wq_a, and wkv_a); one per w1, w3
+        y1, y2 = (2 if layout.mla else 3) * 2 * n * D, 2 * 2 * n * D
     else:  # the norm's output, shared by wq, wk, wv (w1, w3)
         y1, y2 = c * n * D, c * n * D
     if layout.num_experts:
@@ -113,8 +118,9 @@ def _acts(layout: Layout) -> _Acts:
                  pcopy_head=2 * Vl * D if path == "autocast" else 0, embed=embed, head=head, lsm=4 * nc * Vl,
                  targets=n * 8, logits=c * nc * Vl, grad_logits=c * nc * Vl, dy_head=c * n * D,
                  grad_logits_all=c * n * Vl, chunks=k, chunk_targets=nc * 8,
-                 rope=2 * T * (Dh // 2) * 4, stream=stream, d_stream=stream,
-                 lin_out_grads=n * (Dq + 2 * Dkv + 2 * D + (2 * Fl if not layout.num_experts else 0)) * c,
+                 rope=2 * T * (layout.rope_dim // 2) * 4, stream=stream, d_stream=stream,
+                 lin_out_grads=n * ((sum(w for _, w, _, _ in mla_matmuls(layout, n)) - D if layout.mla else
+                                     Dq + 2 * Dkv) + 2 * D + (2 * Fl if not layout.num_experts else 0)) * c,
                  ring_bwd=_ring_backward(layout, n, Dq, Dkv, Hl, c) if cp_ring else 0, post_attn=wo_in + norms // 2,
                  shared_prod=n * (layout.shared_d_ff // t) * c if layout.num_experts else 0)
 
@@ -187,7 +193,7 @@ def _selective_saved(layout: Layout, n: int, nn_: int, c: int, path: str) -> int
     mms = block_matmuls(layout, n, Sk // El)
     kept = sum(rows * w_out * (4 if fp32 else c)
                for (rows, w_out, _, fp32), keep in zip(mms, saved_matmuls(len(mms))) if keep)
-    core = n * (Hl * layout.head_dim * c + Hl * 4)
+    core = n * ((mla_core_out_width(layout) if layout.mla else Hl * layout.head_dim) * c + Hl * 4)
     rs = 2 * nn_ * D * c if layout.sp else 0
     moe = 0
     if layout.num_experts:

@@ -36,6 +36,7 @@ from curry_train.estimator.layout import (
     rank_layers,
 )
 from curry_train.estimator.makespan import bubble_ratio
+from curry_train.estimator.mla import mla_replicated_flops_per_token
 from curry_train.estimator.pipeline import stage_ids
 from curry_train.estimator.profiles import HardwareProfile
 from curry_train.estimator.states import _states
@@ -302,6 +303,7 @@ def _stage_costs(layout: Layout, hw: HardwareProfile) -> tuple[float, float, flo
     head_tok = 6.0 * layout.vocab_size * layout.d_model
     attn_tok = attention_flops_per_token(layout)
     linear = tokens * (hardware_flops_per_token(layout) - head_tok - attn_tok) / layout.tp
+    linear += tokens * mla_replicated_flops_per_token(layout) * (1.0 - 1.0 / layout.tp)  # MLA: replicated under TP
     attn_peak = hw.peak_flops(ring_attention_dtype(layout)) if layout.cp > 1 else peak
     # every block's local parameters (before FSDP): a MoE model's dense first blocks hold their own SwiGLU
     n_blocks = sum(n * sum(d0 * rest for d0, rest, _, _ in _block_tensors(layout, dense=d))

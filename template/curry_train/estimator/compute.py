@@ -30,6 +30,7 @@ from functools import lru_cache
 from typing import Any
 
 from curry_train.estimator.layout import Layout, routed_tokens
+from curry_train.estimator.mla import mla_matmuls
 from curry_train.estimator.profiles import HardwareProfile, from_device_name
 
 # A fused attention kernel at s_blk keys per block runs at s_blk / (s_blk + 512) of its plateau (FlashAttention-2,
@@ -74,6 +75,8 @@ def _linears(layout: Layout) -> list[tuple[float, float, float, float]]:
     q, kv = layout.n_heads * Dh / t, layout.n_kv_heads * Dh / t
     L = float(layout.n_layers)
     out = [(M, D, q, L), (M, D, kv, L), (M, D, kv, L), (M, q, D, L)]
+    if layout.attention == "mla":  # estimator/mla.py: the latents' down- and up-projections, wo
+        out = [(M, k_in, n_out, L) for _, n_out, k_in, _ in mla_matmuls(layout, M)]
     if layout.num_experts:
         Me = max(1.0, layout.moe_tokens * layout.top_k * layout.ep / layout.num_experts)
         F, Fs, k = layout.d_ff, layout.shared_d_ff / t, float(layout.first_k_dense)
@@ -175,17 +178,23 @@ def block_rates(layout: Layout, hw: HardwareProfile) -> tuple[float, float, floa
                   layout.n_heads, layout.n_kv_heads, layout.d_ff, layout.num_experts, layout.top_k,
                   layout.vocab_size, layout.dtype, layout.precision, layout.recompute, hw.peak_tflops_bf16,
                   hw.peak_tflops_fp32, hw.mem_bw_gbps, hw.efficiency, hw.attention_efficiency,
-                  (layout.n_layers, layout.shared_d_ff, layout.first_k_dense, layout.dense_d_ff))
+                  (layout.n_layers, layout.shared_d_ff, layout.first_k_dense, layout.dense_d_ff),
+                  (layout.attention, layout.q_lora_rank, layout.kv_lora_rank, layout.qk_nope_head_dim,
+                   layout.qk_rope_head_dim, layout.v_head_dim))
 
 
 @lru_cache(maxsize=4096)
 def _rates(mb: int, s: int, cp: int, tp: int, ep: int, sp: bool, D: int, H: int, G: int, F: int, E: int, K: int, V: int,
            dtype: str, precision: str, recompute: str, bf16: float, fp32: float, bw: float, eff: float,
-           attn: float, blocks: tuple[int, int, int, int] = (1, 0, 0, 0)) -> tuple[float, float, float, float, float]:
+           attn: float, blocks: tuple[int, int, int, int] = (1, 0, 0, 0),
+           mla: tuple[str, int, int, int, int, int] = ("gqa", 0, 0, 0, 0, 0),
+           ) -> tuple[float, float, float, float, float]:
     L, Fs, k, Fd = blocks
     x = _Shape(micro_batch=mb, seq_len=s, cp=cp, tp=tp, ep=ep, sp=sp, d_model=D, n_heads=H, n_kv_heads=G, d_ff=F,
                num_experts=E, top_k=K, vocab_size=V, dtype=dtype, precision=precision, recompute=recompute,
-               n_layers=L, shared_d_ff=Fs, first_k_dense=k, dense_d_ff=Fd or F)
+               n_layers=L, shared_d_ff=Fs, first_k_dense=k, dense_d_ff=Fd or F, attention=mla[0],
+               q_lora_rank=mla[1], kv_lora_rank=mla[2], qk_nope_head_dim=mla[3], qk_rope_head_dim=mla[4],
+               v_head_dim=mla[5])
     hw = _Speed(peak_tflops_bf16=bf16, peak_tflops_fp32=fp32, mem_bw_gbps=bw, efficiency=eff,
                 attention_efficiency=attn)
     return (linear_efficiency(x, hw), head_efficiency(x, hw), attention_efficiency(x, hw),  # type: ignore[arg-type]
@@ -216,6 +225,12 @@ class _Shape:
     shared_d_ff: int = 0
     first_k_dense: int = 0
     dense_d_ff: int = 0
+    attention: str = "gqa"  # the MLA fields (estimator/mla.py)
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
 
     @property
     def head_dim(self) -> int:

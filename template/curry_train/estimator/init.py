@@ -60,7 +60,7 @@ def init_peak(layout: Layout, pp_rank: int = 0) -> int:
         return rows_drawn_exactly(numel // r, r, 0, hi)
 
     largest = max((4 * (tn[2] + chunk(tn)) for tn in tensors if not own_rows(tn)), default=0)
-    half = layout.head_dim // 2
+    half = layout.rope_dim // 2
     rope = 2 * layout.seq_len * half * 4 * len(stages)
     # model/gpt.py rope_tables while the last stage recomputes its tables (its old ones still live): the fp64
     # angles [T, Dh/2] and inv_freq [Dh/2], then cos (fp32), sin (fp64, then fp32)

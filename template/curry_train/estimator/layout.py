@@ -10,6 +10,7 @@ from functools import cached_property, lru_cache
 from typing import Any
 
 from curry_train.config import Config, dense_width, loss_chunk_count, shared_width
+from curry_train.estimator.mla import mla_core_flops_per_token, mla_linear_params, mla_matmuls, mla_tensors
 from curry_train.pipeline_split import layers_per_stage, stage_layer_range
 from curry_train.rules import ep_spans_tp
 from curry_train.sac_rule import saved_matmuls
@@ -59,6 +60,12 @@ class Layout:
     first_k_dense: int = 0  # MoE models: the first blocks with a dense SwiGLU of width dense_d_ff
     dense_d_ff: int = 0  # config.dense_width (d_ff when there is no dense-first block)
     route_groups: int = 1  # group-limited routing (model.route_groups; 1 = off)
+    attention: str = "gqa"  # model.attention; "mla": the five fields below (estimator/mla.py)
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
 
     @cached_property  # (read in the planner's hot loops; the fields are frozen)
     def shard(self) -> int:
@@ -74,6 +81,15 @@ class Layout:
     @property
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
+
+    @property
+    def rope_dim(self) -> int:
+        """Dims RoPE rotates per head (the cos/sin tables' width x 2): MLA's qk_rope_head_dim, else head_dim."""
+        return self.qk_rope_head_dim if self.attention == "mla" else self.head_dim
+
+    @property
+    def mla(self) -> bool:
+        return self.attention == "mla"
 
     @property
     def n_micro_batches(self) -> int:
@@ -156,7 +172,9 @@ def layout_of(cfg: Config) -> Layout:
                    pp_layers=tuple(p.pp_layers) if p.pp_layers else None, dp_replicate=p.dp_replicate,
                    loss_chunks=t.loss_chunks, fsdp_keep_gathered=p.fsdp_keep_gathered,
                    shared_d_ff=shared_width(m), first_k_dense=m.first_k_dense if m.num_experts else 0,
-                   dense_d_ff=dense_width(m), route_groups=m.route_groups)
+                   dense_d_ff=dense_width(m), route_groups=m.route_groups, attention=m.attention,
+                   q_lora_rank=m.q_lora_rank, kv_lora_rank=m.kv_lora_rank, qk_nope_head_dim=m.qk_nope_head_dim,
+                   qk_rope_head_dim=m.qk_rope_head_dim, v_head_dim=m.v_head_dim)
 
 
 def stage_split(layout: Layout) -> tuple[int, ...]:
@@ -215,8 +233,11 @@ def _block_tensors(layout: Layout, dense: bool = False) -> list[_Tensor]:
         return _block_tensors(dense_view(layout))
     D, t, Dh = layout.d_model, layout.tp, layout.head_dim
     q, kv = layout.n_heads * Dh, layout.n_kv_heads * Dh
-    out: list[_Tensor] = [(D, 1, D, "dense"), (q // t, D, q * D, "dense"), (kv // t, D, kv * D, "dense"),
-                          (kv // t, D, kv * D, "dense"), (D, q // t, D * q, "dense"), (D, 1, D, "dense")]
+    if layout.mla:  # model/mla.py's tensors between the two norms
+        out: list[_Tensor] = [(D, 1, D, "dense"), *mla_tensors(layout), (D, 1, D, "dense")]
+    else:
+        out = [(D, 1, D, "dense"), (q // t, D, q * D, "dense"), (kv // t, D, kv * D, "dense"),
+               (kv // t, D, kv * D, "dense"), (D, q // t, D * q, "dense"), (D, 1, D, "dense")]
     if layout.num_experts:
         E, F = layout.num_experts, layout.d_ff
         El = E // layout.ep
@@ -262,7 +283,7 @@ def active_params(cfg: Config | Layout) -> int:
     The embedding is a lookup, not a matmul."""
     layout = cfg if isinstance(cfg, Layout) else layout_of(cfg)
     D, Dh = layout.d_model, layout.head_dim
-    attn = D * layout.n_heads * Dh * 2 + D * layout.n_kv_heads * Dh * 2
+    attn = mla_linear_params(layout) if layout.mla else D * layout.n_heads * Dh * 2 + D * layout.n_kv_heads * Dh * 2
     if layout.num_experts:  # router + top-k routed experts + the shared expert; the dense first blocks' SwiGLU
         ffn = layout.num_experts * D + layout.top_k * 3 * D * layout.d_ff + 3 * D * layout.shared_d_ff
         k = layout.first_k_dense
@@ -281,7 +302,8 @@ def block_matmuls(layout: Layout, n: float, expert_rows: float) -> list[tuple[fl
     first blocks are `dense_view(layout)`'s."""
     D, Dh, t = layout.d_model, layout.head_dim, layout.tp
     Dq, Dkv, Fl = layout.n_heads // t * Dh, layout.n_kv_heads // t * Dh, layout.d_ff // t
-    mms = [(n, Dq, D, False), (n, Dkv, D, False), (n, Dkv, D, False), (n, D, Dq, False)]
+    mms = mla_matmuls(layout, n) if layout.mla else [(n, Dq, D, False), (n, Dkv, D, False), (n, Dkv, D, False),
+                                                       (n, D, Dq, False)]
     if not layout.num_experts:
         return mms + [(n, Fl, D, False), (n, Fl, D, False), (n, D, Fl, False)]
     F = layout.d_ff
@@ -320,7 +342,14 @@ def flops_per_token(cfg: Config | Layout) -> float:
     2020 Table 1 with the causal half of the attention term, as Megatron-LM counts it; PaLM's App. B and
     torchtitan count the full 12 L H Dh s, which lets long-context MFU exceed what the kernels execute)."""
     layout = cfg if isinstance(cfg, Layout) else layout_of(cfg)
-    return 6.0 * active_params(layout) + 6.0 * layout.n_layers * layout.n_heads * layout.head_dim * layout.seq_len
+    return 6.0 * active_params(layout) + core_flops_per_token(layout)
+
+
+def core_flops_per_token(layout: Layout) -> float:
+    """The causal attention core at its half: 6 L H Dh s (MLA: QK^T over Dn + Dr dims, PV over Dv, estimator/mla.py)."""
+    if layout.mla:
+        return mla_core_flops_per_token(layout)
+    return 6.0 * layout.n_layers * layout.n_heads * layout.head_dim * layout.seq_len
 
 
 def hardware_flops_per_token(cfg: Config | Layout) -> float:
@@ -343,5 +372,5 @@ def hardware_flops_per_token(cfg: Config | Layout) -> float:
 def attention_flops_per_token(layout: Layout) -> float:
     """The core attention's share of hardware_flops_per_token: QK^T and PV forward + backward at the causal half
     (6 L H Dh s), a full recompute rerunning their forward (x 4/3). Under CP this is what the ring's kernel runs."""
-    attn = 6.0 * layout.n_layers * layout.n_heads * layout.head_dim * layout.seq_len
+    attn = core_flops_per_token(layout)
     return attn * 4.0 / 3.0 if layout.recompute == "full" else attn

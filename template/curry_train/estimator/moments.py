@@ -142,7 +142,7 @@ def rank_view(layout: Layout, pp_rank: int) -> RankView:
     m = layout.n_micro_batches
     fsdp = layout.fsdp
     cb = 2 if layout.precision == "mp" else 4
-    buffers = 2 * layout.seq_len * (layout.head_dim // 2) * 4 * len(stages)  # RoPE tables: persistent buffers
+    buffers = 2 * layout.seq_len * (layout.rope_dim // 2) * 4 * len(stages)  # RoPE tables: persistent buffers
     other = buffers
     detail: dict[str, int] = {"rope_buffers": buffers}
     if layout.pp > 1:

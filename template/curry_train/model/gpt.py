@@ -24,6 +24,7 @@ from torch.utils.checkpoint import checkpoint
 
 from curry_train.config import Config, ModelConfig, dense_width, is_moe_block, loss_chunk_count, shared_width
 from curry_train.model.lean import rms_norm, swiglu
+from curry_train.rules.attention import attn_head_dims
 
 
 class RMSNorm(nn.Module):
@@ -106,7 +107,12 @@ class Block(nn.Module):
     def __init__(self, m: ModelConfig, layer: int = 0):
         super().__init__()
         self.attention_norm = RMSNorm(m.d_model, m.norm_eps)
-        self.attention = Attention(m)
+        if m.attention == "mla":  # DeepSeek's multi-head latent attention (model/mla.py)
+            from curry_train.model.mla import MLAttention
+
+            self.attention: nn.Module = MLAttention(m, RMSNorm, apply_rope, causal_attention)
+        else:
+            self.attention = Attention(m)
         self.ffn_norm = RMSNorm(m.d_model, m.norm_eps)
         if is_moe_block(m, layer):  # a MoE model's blocks past its first_k_dense (DeepSeek-V3: 3 dense)
             from curry_train.model.moe import MoE  # the MoE FFN slot
@@ -132,7 +138,7 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleDict({str(i): Block(m, i) for i in range(m.n_layers)})
         self.norm: RMSNorm | None = RMSNorm(m.d_model, m.norm_eps)
         self.output: nn.Linear | None = nn.Linear(m.d_model, m.vocab_size, bias=False)
-        cos, sin = rope_tables(m.d_model // m.n_heads, cfg.train.seq_len, m.rope_theta)
+        cos, sin = rope_tables(attn_head_dims(m)[2], cfg.train.seq_len, m.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)  # [T_max, Dh/2]
         self.register_buffer("rope_sin", sin, persistent=False)
         self.loss_chunks = cfg.train.loss_chunks  # config.loss_chunk_count: 0 = auto, 1 = unchunked
@@ -270,7 +276,7 @@ def reset_buffers(model: nn.Module) -> None:
     if getattr(model, "rope_cos", None) is None:
         return
     m = model.model_args
-    cos, sin = rope_tables(m.d_model // m.n_heads, model.rope_cos.shape[0], m.rope_theta)
+    cos, sin = rope_tables(attn_head_dims(m)[2], model.rope_cos.shape[0], m.rope_theta)
     device = model.rope_cos.device
     model.rope_cos, model.rope_sin = cos.to(device), sin.to(device)
 

@@ -37,7 +37,7 @@ from __future__ import annotations
 from typing import Any
 
 from torch import nn
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -49,15 +49,45 @@ from torch.distributed.tensor.parallel import (
 
 from curry_train.config import Config
 from curry_train.model.gpt import FeedForward
+from curry_train.model.mla import MLAttention
 from curry_train.rules import ep_spans_tp
 
 
-def block_plan(sp: bool, dense_ffn: bool = True, shared: bool = False, ep_over_tp: bool = False) -> dict[str, Any]:
+def mla_plan(stream: Any, sp: bool, q_lora: bool) -> dict[str, Any]:
+    """TP plan of model/mla.py's attention (DeepSeek-V2 arXiv:2405.04434 §2.1), relative to the block: the query
+    up-projection (wq, or wq_b after the q latent) and the KV up-projection wkv_b column-parallel by heads, wo
+    row-parallel; wq_a, q_norm, wkv_a and kv_norm unplanned, so their weights stay plain replicated tensors and each
+    rank computes the full latents from the full input. The input reaches the module as a plain replicated tensor
+    (all-gathered under SP): the latents' gradients are made whole by each column-parallel input's backward
+    all-reduce (DTensor.from_local of a Replicate input), and the rotary key shared by every head by `shared_key`
+    (`_sum_grad_over_tp`), so every gradient leaving the module is complete and Replicate -> Shard(1) under SP is
+    the local slice."""
+    return {
+        "attention": PrepareModuleInput(input_layouts=(stream, None, None),
+                                        desired_input_layouts=(Replicate(), None, None), use_local_output=True),
+        "attention.wq_b" if q_lora else "attention.wq": ColwiseParallel(),  # -> local [B, T, H/t * (Dn + Dr)]
+        "attention.wkv_b": ColwiseParallel(),  # [B, T, Rkv] -> local [B, T, H/t * (Dn + Dv)]
+        "attention.wo": RowwiseParallel(output_layouts=stream, use_local_output=not sp),  # g -> stream
+    }
+
+
+def _sum_grad_over_tp(tp_mesh: Any) -> Any:
+    """Megatron's f for a replicated tensor that each rank uses with its own heads only (MLA's rotary key): identity
+    forward; backward all-reduces the rank's partial gradient (DTensor: a Replicate view whose local gradient is
+    declared Partial)."""
+    def f(x: Any) -> Any:
+        return DTensor.from_local(x, tp_mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
+    return f
+
+
+def block_plan(sp: bool, dense_ffn: bool = True, shared: bool = False, ep_over_tp: bool = False,
+               mla_q_lora: bool | None = None) -> dict[str, Any]:
     """TP plan of one transformer block (module name -> ParallelStyle), relative to the block. `shared`: the MoE
     FFN has shared experts; `ep_over_tp`: its experts are expert-parallel over dp x tp (mesh.Topology.ep_over_tp),
-    so each tp rank routes its own T/t tokens."""
+    so each tp rank routes its own T/t tokens; `mla_q_lora` is not None for an MLA block (whether its queries have
+    a latent)."""
     stream = Shard(1) if sp else Replicate()  # residual stream layout: [B, T/t, D] under SP, else [B, T, D]
-    plan: dict[str, Any] = {
+    plan: dict[str, Any] = mla_plan(stream, sp, mla_q_lora) if mla_q_lora is not None else {
         # f: [B, T/t, D] --all-gather--> [B, T, D] (SP) or replicated -> one backward reduce for wq, wk and wv.
         # Attention.forward(x, cos, sin): only x is a DTensor; the RoPE tables stay plain tensors.
         "attention": PrepareModuleInput(input_layouts=(stream, None, None),
@@ -122,9 +152,12 @@ def apply_tp(model: nn.Module, mesh: Any, cfg: Config) -> bool:
     vocab_sharded_loss = cfg.model.num_experts == 0
     ep_over_tp = ep_spans_tp(cfg.model.num_experts, cfg.parallel.tp, cfg.parallel.ep)
     for block in model.layers.values():
-        ffn = block.feed_forward
+        ffn, mla = block.feed_forward, isinstance(block.attention, MLAttention)
         parallelize_module(block, tp_mesh, block_plan(sp, isinstance(ffn, FeedForward),
-                                                      getattr(ffn, "shared_experts", None) is not None, ep_over_tp))
+                                                      getattr(ffn, "shared_experts", None) is not None, ep_over_tp,
+                                                      hasattr(block.attention, "wq_a") if mla else None))
+        if mla:
+            block.attention.shared_key = _sum_grad_over_tp(tp_mesh)
 
     root: dict[str, Any] = {}
     if model.tok_embeddings is not None:

@@ -16,6 +16,7 @@ from pydantic import BaseModel
 
 from curry_train.moe_blocks import tp_split_widths
 from curry_train.pipeline_split import check_pp_layers
+from curry_train.rules.attention import check_attention
 from curry_train.wrapping import data_parallel_wrapper, expert_replicas
 
 if TYPE_CHECKING:  # type hints only: config.py imports this package at runtime
@@ -59,7 +60,10 @@ def check(cfg: Config) -> list[Problem]:
     def bad(fields: list[str], message: str, fix: str) -> None:
         out.append(Problem(fields=fields, message=message, fix=fix))
 
-    if m.d_model % m.n_heads:
+    check_attention(m, p, bad)  # model.attention: GQA/MHA, or MLA and its ranks (rules/attention.py)
+    if m.attention == "mla":
+        pass  # MLA's head dims are its own fields, not d_model / n_heads
+    elif m.d_model % m.n_heads:
         bad(["model.d_model", "model.n_heads"], f"d_model={m.d_model} is not divisible by n_heads={m.n_heads}",
             f"pick n_heads among {divisors(m.d_model)[:12]}")
     elif (m.d_model // m.n_heads) % 2:

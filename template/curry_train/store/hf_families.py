@@ -6,7 +6,7 @@ The field names and their defaults when absent are those of transformers' config
 (`transformers/models/<family>/configuration_<family>.py`: LlamaConfig, MistralConfig, MixtralConfig, Qwen2Config,
 GemmaConfig, DeepseekV3Config) and of the modelling code where a fact is no field (Qwen2Attention builds q/k/v
 with bias=True). A difference is *structural* when the template's shapes cannot hold it (its parameter count
-would be wrong: MLA, shared experts, a tied head, head_dim != hidden_size / heads), so no `accept` admits it; the
+would be wrong: a tied head, head_dim != hidden_size / heads, MLA outside DeepSeek-V3), so no `accept` admits it; the
 others change behaviour, not shapes, and are refused unless the caller names them in `accept`.
 """
 
@@ -35,7 +35,12 @@ MAPPED = {"vocab_size": "model.vocab_size", "hidden_size": "model.d_model", "num
           "num_experts_per_tok": "model.top_k", "router_aux_loss_coef": "model.aux_loss_coef",
           "aux_loss_alpha": "model.aux_loss_coef", "moe_intermediate_size": "model.d_ff",
           "n_shared_experts": "model.n_shared_experts", "first_k_dense_replace": "model.first_k_dense",
-          "n_group": "model.route_groups", "topk_group": "model.route_top_groups"}
+          "n_group": "model.route_groups", "topk_group": "model.route_top_groups",
+          # DeepSeek-V3's multi-head latent attention (model/mla.py); hf_import sets model.attention=mla
+          "q_lora_rank": "model.q_lora_rank", "kv_lora_rank": "model.kv_lora_rank",
+          "qk_nope_head_dim": "model.qk_nope_head_dim", "qk_rope_head_dim": "model.qk_rope_head_dim",
+          "v_head_dim": "model.v_head_dim"}
+MLA_KEYS = ("q_lora_rank", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")
 REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
 
 
@@ -69,7 +74,7 @@ def _attention(c: _Ctx) -> list[Difference]:
     g = c.get("num_key_value_heads") or h
     layers = c.get("num_hidden_layers")
     head_dim = c.get("head_dim")
-    if head_dim is not None and head_dim * h != d:
+    if head_dim is not None and head_dim * h != d and c.family != "deepseek_v3":
         out.append(Difference(field="head_dim", value=head_dim, structural=True, params=0,
                               reason=f"the template's head dim is hidden_size / num_attention_heads = {d / h:g} "
                                      "(model/gpt.py); q/k/v/o of another width are other shapes"))
@@ -97,11 +102,11 @@ def _attention(c: _Ctx) -> list[Difference]:
     if c.get("rope_scaling"):
         out.append(Difference(field="rope_scaling", value=c.get("rope_scaling"), structural=False,
                               reason="the template's RoPE has no frequency scaling (plain theta, model/gpt.py)"))
-    for key in ("q_lora_rank", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim"):
-        if c.get(key) is not None:
+    for key in MLA_KEYS:  # mapped onto model.attention=mla for DeepSeek-V3 (hf_import._mapping)
+        if c.get(key) is not None and c.family != "deepseek_v3":
             out.append(Difference(field=key, value=c.get(key), structural=True,
-                                  reason="multi-head latent attention (DeepSeek-V2 §2.1): the template has only "
-                                         "GQA attention with square q/k/v heads"))
+                                  reason="multi-head latent attention (DeepSeek-V2 §2.1) is imported for "
+                                         "model_type deepseek_v3 only"))
     return out
 
 
@@ -120,9 +125,13 @@ def _mlp(c: _Ctx) -> list[Difference]:
         if c.get("moe_layer_freq", 1) != 1:
             out.append(Difference(field="moe_layer_freq", value=c.get("moe_layer_freq"), structural=True,
                                   reason="the template puts the MoE FFN in every layer"))
-        if c.get("num_nextn_predict_layers"):
+        if c.get("num_nextn_predict_layers"):  # params: hf_import.mtp_params (the estimator's block count)
             out.append(Difference(field="num_nextn_predict_layers", value=c.get("num_nextn_predict_layers"),
-                                  structural=True, reason="the template has no multi-token-prediction modules"))
+                                  structural=False, reason="multi-token prediction (DeepSeek-V3 §2.2) is an extra "
+                                  "training objective this template does not train: the main model is imported "
+                                  "without its MTP module (which V3 discards at inference, §2.2); the checkpoint's "
+                                  "MTP layer holds one MoE block, its two norms and 2D x D projection and copies "
+                                  "of the embedding and head"))
         for key, ok in (("scoring_func", "softmax"), ("topk_method", "greedy"), ("routed_scaling_factor", 1.0),
                         ("norm_topk_prob", True)):
             if key in c.raw and c.get(key) != ok:

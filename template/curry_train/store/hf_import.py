@@ -7,7 +7,7 @@ never the network) of the Llama, Mistral, Mixtral, Qwen2, Gemma or DeepSeek-V3 f
 fields onto the model section (store/hf_families.py holds the map and the differences), and writes
 configs/local/<name>.yaml through `update_config` (validated, atomic, the replaced version kept in history). Anything
 the template cannot express is refused field by field (ConfigError, nothing written): a structural difference
-always (MLA, shared experts, dense first layers, a tied head, another head_dim), a behavioural one (biases,
+always (a tied head, another head_dim, MLA outside DeepSeek-V3), a behavioural one (biases, MTP layers,
 sliding window beyond seq_len, RoPE scaling, another activation, an unknown field) unless named in `accept`,
 and every accepted one is reported with the parameters it accounts for.
 """
@@ -27,6 +27,7 @@ from curry_train.store.configs import update_config
 from curry_train.store.hf_families import (
     FAMILIES,
     MAPPED,
+    MLA_KEYS,
     MOE_FIELDS,
     REQUIRED,
     Difference,
@@ -91,6 +92,8 @@ def _mapping(raw: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str], dict[
     fields = [k for k in MAPPED if raw.get(k) is not None]
     if family != "deepseek_v3":  # DeepSeek-V3's MoE keys only (a stray n_group elsewhere maps nothing)
         fields = [k for k in fields if k not in ("n_shared_experts", "first_k_dense_replace", "n_group", "topk_group")]
+    if family != "deepseek_v3":  # MLA is DeepSeek's (elsewhere its keys are refused by hf_families._attention)
+        fields = [k for k in fields if k not in MLA_KEYS]
     if family not in MOE_FIELDS:  # a dense family's stray MoE keys map nothing
         fields = [k for k in fields if MAPPED[k] not in ("model.num_experts", "model.top_k", "model.aux_loss_coef")]
     # every model field, so a re-import leaves nothing of the model it replaces (top_k of an old MoE, say)
@@ -98,6 +101,8 @@ def _mapping(raw: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str], dict[
     changes.update({MAPPED[k]: raw[k] for k in fields if k != "intermediate_size" or family != "deepseek_v3"})
     if family == "deepseek_v3":  # d_ff is the expert width; intermediate_size the first_k_dense layers' width
         changes["model.dense_d_ff"] = raw["intermediate_size"] if raw.get("first_k_dense_replace") else 0
+        if raw.get("kv_lora_rank"):  # multi-head latent attention (model/mla.py); q_lora_rank null = 0
+            changes["model.attention"] = "mla"
     taken: dict[str, Any] = {}
     if raw.get("num_key_value_heads") is None:  # transformers: None means multi-head attention
         changes["model.n_kv_heads"] = taken["num_key_value_heads"] = raw["num_attention_heads"]
@@ -133,7 +138,8 @@ def import_hf_config(path_or_json: str, name: str, *, accept: list[str] | None =
         changes["train.seq_len"] = seq = min(DEFAULT_SEQ_LEN, context)
     if not target.is_file():
         changes["train.dtype"] = "bfloat16"  # the families' checkpoints are bf16 (config.json torch_dtype)
-    diffs = differences(raw, seq)
+    diffs = [d.model_copy(update={"params": mtp_params(changes, raw)}) if d.field == "num_nextn_predict_layers"
+             else d for d in differences(raw, seq)]
     accept = list(accept or [])
     by_field = {d.field.split(" ")[0]: d for d in diffs}
     problems = [Problem(fields=["accept"], message=f"{a!r} names no difference of this config.json",
@@ -158,3 +164,15 @@ def import_hf_config(path_or_json: str, name: str, *, accept: list[str] | None =
                     accepted=accepted, param_count=param_count(from_dict(upd.config)),
                     param_count_of_accepted=sum(d.params for d in accepted), created=upd.created,
                     previous_version=upd.previous_version, config=upd.config)
+
+
+def mtp_params(changes: dict[str, Any], raw: dict[str, Any]) -> int:
+    """Parameters of DeepSeek-V3's multi-token-prediction layers as its checkpoint holds them (§2.2, Fig. 3): per
+    layer one more block like the last (the estimator's count: the model with one layer more, less the model),
+    the two RMSNorms of its inputs and the [D, 2D] projection, the final norm, and its own copies of the
+    embedding and the output head. V3: 13.5B, the card's 685B less its 671B main model."""
+    cfg = from_dict({}, changes, validate=False)
+    d, v = cfg.model.d_model, cfg.model.vocab_size
+    more = from_dict({}, {**changes, "model.n_layers": cfg.model.n_layers + 1}, validate=False)
+    block = param_count(more) - param_count(cfg)
+    return int(raw.get("num_nextn_predict_layers") or 0) * (block + 2 * d * d + 3 * d + 2 * v * d)
