@@ -34,6 +34,8 @@ from curry_train.breakdown import CATEGORIES, split  # the category contract bot
 
 _FRONT = {"model.n_shared_experts": 1, "model.first_k_dense": 1, "model.dense_d_ff": 96}  # DeepSeekMoE's blocks
 _GROUPS = {"model.route_groups": 2, "model.route_top_groups": 1}  # node-limited routing (DeepSeek-V3 §2.1.2)
+_D256_Z3 = {"parallel.pp": 2, "parallel.dp": 2, "parallel.zero": 3, "parallel.fsdp_reshard": "always",
+            "train.micro_batch": 1, "model.d_model": 256, "model.d_ff": 512}
 # name -> overrides on configs/tiny.yaml (or tiny-moe.yaml when the name starts with "moe")
 MATRIX: dict[str, dict[str, Any]] = {
     "single": {},
@@ -65,23 +67,18 @@ MATRIX: dict[str, dict[str, Any]] = {
     # parameter-heavy (issue 17): torch pipelining keeps every FSDP unit of a stage unsharded from its backward
     # until its next forward (set_reshard_after_backward(False)); estimator.pipeline._kept_units models it per
     # schedule: gpipe, 1f1b and interleaved, zero 2 and zero 3, fp32 and bf16; and zero bubble, whose input /
-    # weight passes run on every unit of the chunk gathered (parallel/pipeline.py _split_backward_stage).
-    "pp2-dp2-zero3-d256": {"parallel.pp": 2, "parallel.dp": 2, "parallel.zero": 3, "train.micro_batch": 1,
-                           "model.d_model": 256, "model.d_ff": 512},
-    "pp2-dp2-zero3-d256-gpipe": {"parallel.pp": 2, "parallel.dp": 2, "parallel.zero": 3, "train.micro_batch": 1,
-                                 "model.d_model": 256, "model.d_ff": 512, "parallel.pp_schedule": "gpipe"},
-    "pp2-dp2-zero3-d256-interleaved": {"parallel.pp": 2, "parallel.dp": 2, "parallel.zero": 3,
-                                       "train.micro_batch": 1, "model.d_model": 256, "model.d_ff": 512,
-                                       "parallel.pp_schedule": "interleaved_1f1b", "parallel.pp_virtual": 2},
-    "pp2-dp2-zero3-d256-bf16": {"parallel.pp": 2, "parallel.dp": 2, "parallel.zero": 3, "train.micro_batch": 1,
-                                "model.d_model": 256, "model.d_ff": 512, "train.dtype": "bfloat16"},
-    "pp2-dp2-zero3-d256-zb": {"parallel.pp": 2, "parallel.dp": 2, "parallel.zero": 3, "train.micro_batch": 1,
-                              "model.d_model": 256, "model.d_ff": 512, "parallel.pp_schedule": "zero_bubble",
-                              "parallel.pp_virtual": 2},
+    # weight passes run on every unit of the chunk gathered (parallel/pipeline.py _split_backward_stage). Zero 3
+    # reshards after forward under PP only with parallel.fsdp_reshard=always (fsdp_units.py; the default keeps the
+    # units gathered, as zero 2: row pp2-dp2-zero2-d256)
+    "pp2-dp2-zero3-d256": {**_D256_Z3},
+    "pp2-dp2-zero3-d256-gpipe": {**_D256_Z3, "parallel.pp_schedule": "gpipe"},
+    "pp2-dp2-zero3-d256-interleaved": {**_D256_Z3, "parallel.pp_schedule": "interleaved_1f1b",
+                                       "parallel.pp_virtual": 2},
+    "pp2-dp2-zero3-d256-bf16": {**_D256_Z3, "train.dtype": "bfloat16"},
+    "pp2-dp2-zero3-d256-zb": {**_D256_Z3, "parallel.pp_schedule": "zero_bubble", "parallel.pp_virtual": 2},
     # interleaved zero bubble (v = 3): W passes after a forward of their chunk, I's waiting for their W
-    "pp2-dp2-zero3-d256-zb-v3": {"parallel.pp": 2, "parallel.dp": 2, "parallel.zero": 3, "train.micro_batch": 1,
-                                 "model.d_model": 256, "model.d_ff": 512, "model.n_layers": 6,
-                                 "parallel.pp_schedule": "zero_bubble", "parallel.pp_virtual": 3},
+    "pp2-dp2-zero3-d256-zb-v3": {**_D256_Z3, "model.n_layers": 6, "parallel.pp_schedule": "zero_bubble",
+                                 "parallel.pp_virtual": 3},
     "pp2-dp2-zero2-d256": {"parallel.pp": 2, "parallel.dp": 2, "parallel.zero": 2, "train.micro_batch": 1,
                            "model.d_model": 256, "model.d_ff": 512},
     "cp2": {"parallel.cp": 2},

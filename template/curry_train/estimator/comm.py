@@ -157,7 +157,7 @@ def _comm(layout: Layout, hw: HardwareProfile, t_compute: float) -> list[CommIte
             n_tensors = len(_block_tensors(layout)) * layers + 3
             add("zero1", "broadcast", layout.dpcp, 4 * st.n_local, n_tensors, dp_link, None, rails=dp_rails)
     if layout.fsdp:
-        _fsdp(layout, st.all_units, layers, add)
+        _fsdp(layout, st.all_units, layers, add, st.head_unit, bool(st.embed_unit))
     if layout.tp > 1:
         # tensor_parallel.py: one `f` (identity / all-gather under SP) and one `g` (all-reduce / reduce-scatter)
         # per attention and per MLP sub-block, forward and backward: 4 all-reduces of [b, T, D] per layer per
@@ -197,7 +197,7 @@ def _comm(layout: Layout, hw: HardwareProfile, t_compute: float) -> list[CommIte
     return _expose(entries, t_compute, m, 3 / 4 if layout.recompute == "full" else 2 / 3)
 
 
-def _fsdp(layout: Layout, units: int, layers: int, add) -> None:
+def _fsdp(layout: Layout, units: int, layers: int, add, head: int = 0, embed: bool = True) -> None:
     """FSDP2 (zero 1 under TP, 2, 3) and HSDP collectives. Without PP the template reduce-scatters every micro-step
     (parallelize._grad_sync_fn) and FSDP re-gathers per micro-batch: zero 3 in forward and again in backward
     (reshard_after_forward), zero 2 once. Under PP, torch's schedule keeps the unit gathered after each backward
@@ -205,14 +205,17 @@ def _fsdp(layout: Layout, units: int, layers: int, add) -> None:
     (m + 1 in all), zero 2 gathers once. Units held across micro-batches without PP (fsdp.holds_step) gather
     once; ZeRO-1 on FSDP2 also reduce-scatters once (Megatron's distributed optimizer: one reduce-scatter of the
     gradients and one all-gather of the parameters per step, the volume of one all-reduce). HSDP (dp_replicate
-    r > 1): the shard group is dp*cp / r ranks; the reduced shard is then all-reduced across the r replicas."""
+    r > 1): the shard group is dp*cp / r ranks; the reduced shard is then all-reduced across the r replicas.
+    Units (fsdp_units.py): the blocks, the embedding (`embed`) and [norm, output] (`head`: its gathered bytes),
+    which is not re-gathered in backward unless parallel.fsdp_reshard=always; zero 3 under PP re-gathers only
+    under always (layout.reshards_blocks)."""
     m, cb = layout.n_micro_batches, (2 if layout.precision == "mp" else 4)
     r = layout.dp_replicate if layout.dp_replicate > 1 and layout.dpcp % layout.dp_replicate == 0 else 1
     shard = layout.dpcp // r
     link, rails = _span_link(layout, shard, layout.tp), _rails(layout, shard, layout.tp)
-    n_units = layers + 1
+    n_units = layers + int(embed) + int(head > 0)
     if layout.pp > 1:
-        gathers, ag_window = (m + 1, "all") if layout.zero == 3 else (1, "bwd_last")
+        gathers, ag_window = (m + 1, "all") if layout.reshards_blocks else (1, "bwd_last")
         add("fsdp", "all_gather", shard, units * gathers, n_units * gathers, link, ag_window, rails=rails)
         syncs, rs_window, first = 1, "bwd_last", 0.0
     elif layout.fsdp_holds_units:
@@ -225,14 +228,14 @@ def _fsdp(layout: Layout, units: int, layers: int, add) -> None:
     else:
         # FSDP2 prefetches one unit ahead in the order it runs (fully_shard's implicit prefetch), so a forward's
         # gathers hide behind that forward and a backward's behind that backward; the first unit of each pass
-        # (the root's, embedding first in forward and head first in backward; parallel/fsdp.py reshards it after
-        # forward too under zero 3) and the last reduce-scatter (the root's, after the embedding's backward)
-        # wait with nothing to overlap
+        # (the embedding's in forward, the head's in backward, which zero 3 keeps from its forward) and the
+        # last reduce-scatter (the embedding's) wait with nothing to overlap
         # (Zhao et al. 2023, "PyTorch FSDP", arXiv:2304.11277, sec. 3.3: 1 of n_units of each)
         first = 1.0 / n_units
         add("fsdp", "all_gather", shard, units * m, n_units * m, link, "fwd", critical=first, rails=rails)
-        if layout.zero == 3:
-            add("fsdp", "all_gather", shard, units * m, n_units * m, link, "bwd", critical=first, rails=rails)
+        if layout.reshards_blocks:  # every unit but [norm, output] (unless always) gathered again for its backward
+            again, n_again = (units, n_units) if layout.head_reshards else (units - head, n_units - int(head > 0))
+            add("fsdp", "all_gather", shard, again * m, n_again * m, link, "bwd", critical=first, rails=rails)
         syncs, rs_window = m, "bwd"
     # the shard group's collectives are FSDP's own; HSDP adds the replica all-reduce
     add("fsdp", "reduce_scatter", shard, 4 * units // cb * syncs, n_units * syncs, link, rs_window,

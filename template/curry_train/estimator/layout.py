@@ -10,6 +10,7 @@ from functools import cached_property, lru_cache
 from typing import Any
 
 from curry_train.config import Config, dense_width, loss_chunk_count, shared_width
+from curry_train.fsdp_units import reshard_after_forward
 from curry_train.pipeline_split import layers_per_stage, stage_layer_range
 from curry_train.sac_rule import saved_matmuls
 from curry_train.wrapping import data_parallel_wrapper, fsdp_holds_step
@@ -58,6 +59,7 @@ class Layout:
     first_k_dense: int = 0  # MoE models: the first blocks with a dense SwiGLU of width dense_d_ff
     dense_d_ff: int = 0  # config.dense_width (d_ff when there is no dense-first block)
     route_groups: int = 1  # group-limited routing (model.route_groups; 1 = off)
+    fsdp_reshard: str = "default"  # parallel.fsdp_reshard: when zero-3 units reshard after forward (fsdp_units.py)
 
     @cached_property  # (read in the planner's hot loops; the fields are frozen)
     def shard(self) -> int:
@@ -102,6 +104,17 @@ class Layout:
         return self.fsdp and self.pp == 1 and (self.zero == 1 or (self.zero == 2 and self.fsdp_keep_gathered))
 
     @cached_property  # (read in the planner's hot loops; the fields are frozen)
+    def reshards_blocks(self) -> bool:
+        """FSDP frees the blocks (and the embedding, the experts) after their forward and gathers them again for
+        their backward: zero 3, except under a pipeline with parallel.fsdp_reshard=default (fsdp_units.py)."""
+        return self.fsdp and reshard_after_forward(self.zero, self.pp, self.fsdp_reshard, "block")
+
+    @cached_property  # (read in the planner's hot loops; the fields are frozen)
+    def head_reshards(self) -> bool:
+        """FSDP frees the [norm, output] unit after its forward: only under parallel.fsdp_reshard=always."""
+        return self.fsdp and reshard_after_forward(self.zero, self.pp, self.fsdp_reshard, "head")
+
+    @cached_property  # (read in the planner's hot loops; the fields are frozen)
     def precision(self) -> str:
         """fp32 | autocast | mp: which mixed-precision mechanism computes the model."""
         if self.dtype == "float32":
@@ -126,7 +139,7 @@ def layout_of(cfg: Config) -> Layout:
                    pp_layers=tuple(p.pp_layers) if p.pp_layers else None, dp_replicate=p.dp_replicate,
                    loss_chunks=t.loss_chunks, fsdp_keep_gathered=p.fsdp_keep_gathered,
                    shared_d_ff=shared_width(m), first_k_dense=m.first_k_dense if m.num_experts else 0,
-                   dense_d_ff=dense_width(m), route_groups=m.route_groups)
+                   dense_d_ff=dense_width(m), route_groups=m.route_groups, fsdp_reshard=p.fsdp_reshard)
 
 
 def stage_split(layout: Layout) -> tuple[int, ...]:
