@@ -109,3 +109,16 @@ def test_torch_still_lets_a_grouped_unit_run_a_module_more_than_once_per_forward
 
     assert "chunked loss" in inspect.getsource(_fsdp_state.FSDPState._force_complete_incomplete_states)
     assert torch.distributed.fsdp.fully_shard is not None
+
+
+def test_the_estimator_prices_zero3_under_pp_as_zero2_unless_always():
+    # fsdp_units.py: under PP the default keeps the units gathered for the step, as zero 2 does (memory and time)
+    from curry_train.estimator import estimate, load_any
+
+    base = {"parallel.pp": 2, "parallel.dp": 2, "train.micro_batch": 1, "model.d_model": 256, "model.d_ff": 512}
+    z2, z3, always = (estimate(load_any("tiny", {**base, **ov})) for ov in (
+        {"parallel.zero": 2}, {"parallel.zero": 3}, {"parallel.zero": 3, "parallel.fsdp_reshard": "always"}))
+    assert [b.total for b in z3.per_pp_rank] == [b.total for b in z2.per_pp_rank]
+    assert z3.step_time.total_s == z2.step_time.total_s
+    assert always.step_time.total_s > z3.step_time.total_s
+    assert always.per_pp_rank[0].total != z3.per_pp_rank[0].total

@@ -12,8 +12,9 @@ import pytest
 from curry_train.estimator import estimate, in_flight, layout_of, load_any
 from curry_train.estimator.pipeline import _kept_units, pipe_states
 
-D256 = {"parallel.pp": 2, "parallel.dp": 2, "parallel.zero": 3, "parallel.fsdp_reshard": "always", "train.micro_batch": 1,
-        "model.d_model": 256, "model.d_ff": 512}
+# zero 3 resharding after forward under PP: parallel.fsdp_reshard=always (the default keeps the units gathered)
+D256 = {"parallel.pp": 2, "parallel.dp": 2, "parallel.zero": 3, "parallel.fsdp_reshard": "always",
+        "train.micro_batch": 1, "model.d_model": 256, "model.d_ff": 512}
 
 
 def test_torch_still_leaves_units_gathered_after_a_pipeline_backward():
