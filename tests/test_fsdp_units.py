@@ -122,3 +122,47 @@ def test_the_estimator_prices_zero3_under_pp_as_zero2_unless_always():
     assert z3.step_time.total_s == z2.step_time.total_s
     assert always.step_time.total_s > z3.step_time.total_s
     assert always.per_pp_rank[0].total != z3.per_pp_rank[0].total
+
+
+def test_the_chunked_loss_gathers_and_reduces_the_head_unit_twice_and_the_time_model_prices_it(tmp_path):
+    # torch 2.13: the second chunk's `output` call enters the [norm, output] unit's forward again, so its
+    # backward reduce-scatters twice and gathers once more (estimator/comm.py _fsdp prices both per micro-batch)
+    from collections import Counter
+
+    import torch.distributed as dist
+    from curry_train.estimator import layout_of, load_any
+    from curry_train.estimator.comm import _comm
+    from curry_train.estimator.profiles import get_profile
+    from curry_train.mesh import Topology, build_mesh
+    from curry_train.model.gpt import build_meta_model
+    from curry_train.parallel.fsdp import apply_fsdp
+    from curry_train.parallel.materialize import global_shapes, materialize
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    cfg = load_config(TINY, {"parallel.zero": 3})
+    calls: Counter = Counter()
+    mp = pytest.MonkeyPatch()
+    for name in ("unshard", "post_backward"):
+        def wrap(self, *a, _o=getattr(FSDPParamGroup, name), _n=name, **k):
+            if self._module_fqn.startswith("norm") and (_n != "unshard" or not self.is_unsharded):
+                calls[_n] += 1
+            return _o(self, *a, **k)
+        mp.setattr(FSDPParamGroup, name, wrap)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        mesh = build_mesh(Topology(), "cpu")
+        model = build_meta_model(cfg)
+        apply_fsdp(model, mesh, cfg)
+        materialize(model, cfg, torch.device("cpu"), mesh, global_shapes(cfg))
+        x = torch.randint(0, cfg.model.vocab_size, (2, cfg.train.seq_len))
+        loss = model(x, targets=x)
+        calls.clear()
+        loss.backward()
+    finally:
+        dist.destroy_process_group()
+        mp.undo()
+    assert dict(calls) == {"post_backward": 2, "unshard": 1}
+    lay = layout_of(load_any("tiny", {"parallel.dp": 2, "parallel.zero": 3}))
+    one = layout_of(load_any("tiny", {"parallel.dp": 2, "parallel.zero": 3, "train.loss_chunks": 1}))
+    n = [sum(c.calls for c in _comm(x, get_profile("H100"), 1.0) if c.primitive == "fsdp") for x in (lay, one)]
+    assert n[0] - n[1] == 2 * lay.n_micro_batches  # one more all-gather and one more reduce-scatter each
