@@ -197,7 +197,9 @@ def test_mixtral_on_16_h100_gets_one_answer():
     p = _plan_for("mixtral-8x7b", top=1000)  # TP + EP rows (tests/parallel/test_tp_ep.py) rank above final
     par = load_any("mixtral-8x7b").parallel.model_dump()
     assert {k: par[k] for k in p.final} == p.final
-    assert p.ranked and min(r.headroom_gib for r in p.ranked if r.final) >= PEAK_ERROR_BAND * p.usable_gib
+    # (the final row may rank below the top rows: PP rows inside the error band are faster, never final)
+    assert p.ranked and p.fits
+    assert all(r.headroom_gib >= PEAK_ERROR_BAND * p.usable_gib for r in p.ranked if r.final)
     searched = plan("mixtral-8x7b", 8, 2, 80.0, 4096, 1024, top=1000)  # micro-batch searched: not in the band
     assert [r for r in searched.ranked if r.final][0].headroom_gib >= PEAK_ERROR_BAND * searched.usable_gib
 
@@ -309,9 +311,9 @@ def test_the_error_band_of_each_row_is_its_own_usable_budget():
 
 def test_a_final_inside_the_band_says_to_measure_it():
     # A row in the band can be final only between PEAK_ERROR_BAND (97% of usable) and PEAK_ERROR_MEASURED (97.8%):
-    # the final row here (CP 8, ZeRO-3, selective recompute) sits there for seq_len 205824-207360; 206592, the middle,
-    # puts it at 71.7 of 73.6 GiB (97.4%), 22% faster than the best row outside the band (CP 2, full recompute)
-    p = plan("llama3-8b", 8, 1, None, 206592, 32, gpu="H100")
+    # the final row here (CP 8, ZeRO-3, selective recompute) sits there for seq_len 209664-211200 (the embedding
+    # its own FSDP unit, fsdp_units.py); 210432, the middle, puts it at 71.7 of 73.6 GiB (97.4%)
+    p = plan("llama3-8b", 8, 1, None, 210432, 32, gpu="H100")
     final = next(r for r in p.ranked if r.final)
     assert final.headroom_gib < PEAK_ERROR_BAND * p.usable_gib and p.final["cp"] > 1
     assert any("error band" in h and "bench it" in h for h in p.hints), p.hints

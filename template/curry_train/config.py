@@ -119,6 +119,11 @@ class ParallelConfig(_Section):
     fsdp_keep_gathered: bool = Field(
         False, description="zero=2 only: keep each FSDP unit's gathered parameters across the micro-batches of a "
         "step (one all-gather per step, not per micro-batch; gradients still reduce-scattered every micro-batch).")
+    fsdp_reshard: Literal["default", "always", "never"] = Field(
+        "default", description="zero=3: when FSDP units free their gathered parameters after forward "
+        "(fsdp_units.py): default = after each forward, except under PP (gathered for the whole step); always = "
+        "also under PP; never = not (under PP only; without PP that is zero=2). The [norm, output] unit stays "
+        "gathered after forward unless always.")
     recompute: Literal["none", "selective", "full"] = Field("none", description="Activation recomputation.")
     tp: int = Field(1, ge=1, description="Tensor-parallel ranks (within a node).")
     sp: bool = Field(False, description="Sequence parallel over the TP group (needs tp > 1).")

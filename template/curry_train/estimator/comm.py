@@ -162,7 +162,7 @@ def _comm(layout: Layout, hw: HardwareProfile, t_compute: float) -> list[CommIte
                 rails=dp_rails)
             add("zero1", "broadcast", (layout.dp // layout.ep) * layout.cp, experts, n_exp, dp_link, None)
     if layout.fsdp:
-        _fsdp(layout, st.all_units, layers, add)
+        _fsdp(layout, st.all_units, layers, add, st.head_unit, bool(st.embed_unit))
     if layout.tp > 1:
         # tensor_parallel.py: one `f` (identity / all-gather under SP) and one `g` (all-reduce / reduce-scatter)
         # per attention and per MLP sub-block, forward and backward: 4 all-reduces of [b, T, D] per layer per
@@ -201,7 +201,12 @@ def _comm(layout: Layout, hw: HardwareProfile, t_compute: float) -> list[CommIte
     return _expose(entries, t_compute, m, 3 / 4 if layout.recompute == "full" else 2 / 3)
 
 
-def _fsdp(layout: Layout, units: int, layers: int, add) -> None:
+def _loss_chunks(layout: Layout) -> int:
+    """Token chunks of the LM head + loss on this rank (acts._Acts.chunks: config.loss_chunk_count)."""
+    return _acts(layout).chunks
+
+
+def _fsdp(layout: Layout, units: int, layers: int, add, head: int = 0, embed: bool = True) -> None:
     """FSDP2 (zero 1 under TP, 2, 3) and HSDP collectives. Without PP the template reduce-scatters every micro-step
     (parallelize._grad_sync_fn) and FSDP re-gathers per micro-batch: zero 3 in forward and again in backward
     (reshard_after_forward), zero 2 once. Under PP, torch's schedule keeps the unit gathered after each backward
@@ -209,14 +214,18 @@ def _fsdp(layout: Layout, units: int, layers: int, add) -> None:
     (m + 1 in all), zero 2 gathers once. Units held across micro-batches without PP (fsdp.holds_step) gather
     once; ZeRO-1 on FSDP2 also reduce-scatters once (Megatron's distributed optimizer: one reduce-scatter of the
     gradients and one all-gather of the parameters per step, the volume of one all-reduce). HSDP (dp_replicate
-    r > 1): the shard group is dp*cp / r ranks; the reduced shard is then all-reduced across the r replicas."""
+    r > 1): the shard group is dp*cp / r ranks; the reduced shard is then all-reduced across the r replicas.
+    Units (fsdp_units.py): the blocks, the embedding (`embed`) and [norm, output] (`head`: its gathered bytes),
+    which is not re-gathered in backward unless parallel.fsdp_reshard=always; zero 3 under PP re-gathers only
+    under always (layout.reshards_blocks)."""
     m, cb = layout.n_micro_batches, (2 if layout.precision == "mp" else 4)
     r = layout.dp_replicate if layout.dp_replicate > 1 and layout.dpcp % layout.dp_replicate == 0 else 1
     shard = layout.dpcp // r
     link, rails = _span_link(layout, shard, layout.tp), _rails(layout, shard, layout.tp)
-    n_units = layers + 1
+    n_units = layers + int(embed) + int(head > 0)
+    extra_rs = (0, 0)
     if layout.pp > 1:
-        gathers, ag_window = (m + 1, "all") if layout.zero == 3 else (1, "bwd_last")
+        gathers, ag_window = (m + 1, "all") if layout.reshards_blocks else (1, "bwd_last")
         add("fsdp", "all_gather", shard, units * gathers, n_units * gathers, link, ag_window, rails=rails)
         syncs, rs_window, first = 1, "bwd_last", 0.0
     elif layout.fsdp_holds_units:
@@ -229,20 +238,29 @@ def _fsdp(layout: Layout, units: int, layers: int, add) -> None:
     else:
         # FSDP2 prefetches one unit ahead in the order it runs (fully_shard's implicit prefetch), so a forward's
         # gathers hide behind that forward and a backward's behind that backward; the first unit of each pass
-        # (the root's, embedding first in forward and head first in backward; parallel/fsdp.py reshards it after
-        # forward too under zero 3) and the last reduce-scatter (the root's, after the embedding's backward)
-        # wait with nothing to overlap
+        # (the embedding's in forward, the head's in backward, which zero 3 keeps from its forward) and the
+        # last reduce-scatter (the embedding's) wait with nothing to overlap
         # (Zhao et al. 2023, "PyTorch FSDP", arXiv:2304.11277, sec. 3.3: 1 of n_units of each)
         first = 1.0 / n_units
         add("fsdp", "all_gather", shard, units * m, n_units * m, link, "fwd", critical=first, rails=rails)
-        if layout.zero == 3:
-            add("fsdp", "all_gather", shard, units * m, n_units * m, link, "bwd", critical=first, rails=rails)
+        # the chunked loss calls `output` once per chunk: the second call enters the [norm, output] unit's forward
+        # again (FSDPParamGroup.pre_forward registers a second post-backward hook), so after that chunk's backward
+        # the unit reduce-scatters and reshards, and the first chunk's recompute gathers it again (measured, torch
+        # 2.13: 2 post_backward and 1 unshard of the unit per backward; tests/test_fsdp_units.py). Priced in the
+        # backward's gathers (zero 3) and reduce-scatters; zero 2's extra gather of the head is not priced.
+        twice = int(head > 0 and _loss_chunks(layout) > 1)
+        if layout.reshards_blocks:  # every unit but [norm, output] (unless always) gathered again for its backward
+            again, n_again = (units, n_units) if layout.head_reshards else (units - head, n_units - int(head > 0))
+            again, n_again = again + twice * head, n_again + twice
+            add("fsdp", "all_gather", shard, again * m, n_again * m, link, "bwd", critical=first, rails=rails)
         syncs, rs_window = m, "bwd"
+        extra_rs = (4 * twice * head // cb, twice)
     # the shard group's collectives are FSDP's own; HSDP adds the replica all-reduce
-    add("fsdp", "reduce_scatter", shard, 4 * units // cb * syncs, n_units * syncs, link, rs_window,
+    rs_bytes, rs_calls = 4 * units // cb + extra_rs[0], n_units + extra_rs[1]
+    add("fsdp", "reduce_scatter", shard, rs_bytes * syncs, rs_calls * syncs, link, rs_window,
         critical=first, rails=rails)
     if r > 1:
-        add("hsdp", "all_reduce", r, 4 * units // cb // shard * syncs, n_units * syncs,
+        add("hsdp", "all_reduce", r, rs_bytes // shard * syncs, rs_calls * syncs,
             _span_link(layout, r, shard * layout.tp), rs_window, rails=_rails(layout, r, shard * layout.tp))
 
 

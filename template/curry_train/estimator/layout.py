@@ -11,6 +11,7 @@ from typing import Any
 
 from curry_train.config import Config, dense_width, loss_chunk_count, shared_width
 from curry_train.estimator.mla import mla_core_flops_per_token, mla_linear_params, mla_matmuls, mla_tensors
+from curry_train.fsdp_units import reshard_after_forward
 from curry_train.pipeline_split import layers_per_stage, stage_layer_range
 from curry_train.rules import ep_spans_tp
 from curry_train.sac_rule import saved_matmuls
@@ -66,6 +67,7 @@ class Layout:
     qk_nope_head_dim: int = 0
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
+    fsdp_reshard: str = "default"  # parallel.fsdp_reshard: when zero-3 units reshard after forward (fsdp_units.py)
 
     @cached_property  # (read in the planner's hot loops; the fields are frozen)
     def shard(self) -> int:
@@ -140,6 +142,17 @@ class Layout:
         return self.fsdp and self.pp == 1 and (self.zero == 1 or (self.zero == 2 and self.fsdp_keep_gathered))
 
     @cached_property  # (read in the planner's hot loops; the fields are frozen)
+    def reshards_blocks(self) -> bool:
+        """FSDP frees the blocks (and the embedding, the experts) after their forward and gathers them again for
+        their backward: zero 3, except under a pipeline with parallel.fsdp_reshard=default (fsdp_units.py)."""
+        return self.fsdp and reshard_after_forward(self.zero, self.pp, self.fsdp_reshard, "block")
+
+    @cached_property  # (read in the planner's hot loops; the fields are frozen)
+    def head_reshards(self) -> bool:
+        """FSDP frees the [norm, output] unit after its forward: only under parallel.fsdp_reshard=always."""
+        return self.fsdp and reshard_after_forward(self.zero, self.pp, self.fsdp_reshard, "head")
+
+    @cached_property  # (read in the planner's hot loops; the fields are frozen)
     def precision(self) -> str:
         """fp32 | autocast | mp: which mixed-precision mechanism computes the model."""
         if self.dtype == "float32":
@@ -174,7 +187,7 @@ def layout_of(cfg: Config) -> Layout:
                    shared_d_ff=shared_width(m), first_k_dense=m.first_k_dense if m.num_experts else 0,
                    dense_d_ff=dense_width(m), route_groups=m.route_groups, attention=m.attention,
                    q_lora_rank=m.q_lora_rank, kv_lora_rank=m.kv_lora_rank, qk_nope_head_dim=m.qk_nope_head_dim,
-                   qk_rope_head_dim=m.qk_rope_head_dim, v_head_dim=m.v_head_dim)
+                   qk_rope_head_dim=m.qk_rope_head_dim, v_head_dim=m.v_head_dim, fsdp_reshard=p.fsdp_reshard)
 
 
 def stage_split(layout: Layout) -> tuple[int, ...]:

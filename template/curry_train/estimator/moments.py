@@ -104,7 +104,7 @@ class RankView:
     head_chunk: int  # local index of the last stage, -1 if not held
     n_stages: int
     fsdp: bool
-    zero3: bool
+    zero3: bool  # the blocks reshard after forward (layout.reshards_blocks: zero 3, not under PP by default)
     fsdp_accum: bool  # FSDP under PP or ZeRO-1 on FSDP2: unsharded fp32 accumulators between micro-batches
     compute_bytes: int  # of a gathered unit: 2 under FSDP mixed precision, else 4
     grad_bytes: int  # of a new unsharded gradient
@@ -164,7 +164,7 @@ def rank_view(layout: Layout, pp_rank: int) -> RankView:
     return RankView(layout=layout, stages=stages, st=st, a=a, chunk_layers=chunk_layers, n_blocks=sum(chunk_layers),
                     has_embed=has_embed, has_head=has_head,
                     head_chunk=stages.index(n_stages - 1) if has_head else -1, n_stages=n_stages, fsdp=fsdp,
-                    zero3=fsdp and layout.zero == 3,
+                    zero3=layout.reshards_blocks,
                     fsdp_accum=_fsdp_accumulates(layout), compute_bytes=cb,
                     grad_bytes=cb if fsdp else 4, data=_data_bytes(layout), other_base=other, detail=detail,
                     tp_embed=tp_embed, recompute_extra=rec,

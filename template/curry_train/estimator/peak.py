@@ -70,7 +70,8 @@ def _state_moments(r: RankView, ps: _PipeState) -> list[Moment]:
         return out
     if ps.fwd:
         return out + phases.forward_units_kept(r, s)
-    return (out + phases.loss_backward(r, s) + phases.lm_head_backward(r, s) + phases.last_block_backward(r, s)
+    return (out + phases.loss_backward(r, s) + phases.lm_head_backward(r, s) + phases.head_reduce_scatter(r, s)
+            + phases.last_block_backward(r, s)
             + phases.first_block_units_kept(r, s) + phases.ring_attention_backward(r, s))
 
 

@@ -51,10 +51,18 @@ def forward_units_kept(r: RankView, s: StateView) -> list[Moment]:
                    acts_f, s.other + st.unit_max + a.stream, {}, s.gbuf_prev)]
 
 
-def _gathered(r: RankView, s: StateView) -> int:
-    """Units gathered as a backward starts: every unit under zero 2, the kept ones under zero 3."""
+def _gathered(r: RankView, s: StateView, past_head: bool = False) -> int:
+    """Units gathered as a backward starts: every unit under zero 2, the kept ones under zero 3. Without a
+    pipeline the [norm, output] unit is gathered from its forward to its backward (fsdp_units.py, not resharded
+    after forward) and resharded after it (`past_head`: the blocks' backward)."""
+    single = r.fsdp and r.layout.pp == 1
+    head = r.st.head_unit if single and r.has_head else 0
+    if r.layout.fsdp_holds_units:  # (fsdp.holds_step: no unit resharded after backward but in the last step)
+        past_head = False
     if r.fsdp and not r.zero3:
-        return r.st.all_units
+        return r.st.all_units - (head if past_head else 0)
+    if single and not r.layout.head_reshards:
+        return 0 if past_head else head
     return s.kept_other + (r.st.chunk_units[s.ps.chunk] if s.own_kept else 0)
 
 
@@ -99,7 +107,8 @@ def lm_head_backward(r: RankView, s: StateView) -> list[Moment]:
     head_grads = a.grad_logits + a.dy_head + w_out if a.chunks == 1 else 3 * w_acc + a.dy_head
     p2, o2 = s.param_copies + _gathered(r, s), s.other + head_grads
     if r.zero3 and not s.own_kept:
-        p2 += r.st.root_unit
+        if r.layout.pp > 1 or r.layout.head_reshards:  # (the head re-gathered; without PP: only under "always")
+            p2 += r.st.head_unit if r.layout.pp == 1 else r.st.root_unit
         o2 += r.st.unit_max
     return [Moment("LM head backward", p2, s.grads_prev, s.head_acts - s.lsm_kept, o2, {"head_grads": head_grads},
                    s.gbuf_prev)]
@@ -119,14 +128,22 @@ def _block_backward(r: RankView, s: StateView) -> tuple[int, int, int, int, int]
     Zero bubble: the input backward (I) retains the graph for the weight backward (W), with every linear's
     output gradient of the chunk."""
     layout, st, a = r.layout, r.st, r.a
-    head_grads = r.grad_bytes * r.head_numel if _at_head(r, s) and s.fresh else 0
+    single = r.fsdp and layout.pp == 1 and not r.fsdp_accum  # the head unit reduce-scattered after its backward
+    head_grads = r.grad_bytes * r.head_numel if _at_head(r, s) and s.fresh and not single else 0
     g3, b3 = _new_grads(r, s, head_grads + (r.grad_bytes * r.w2 if s.fresh else 0))
     gathering = r.zero3 and not s.own_kept
-    p3 = s.param_copies + (_gathered(r, s) + (st.root_unit + st.unit_max if gathering else 0) if r.fsdp else 0)
+    root = st.root_unit if layout.pp > 1 else 0  # without PP the embedding is gathered for its backward only
+    p3 = s.param_copies + (_gathered(r, s, True) + (root + st.unit_max if gathering else 0) if r.fsdp else 0)
     # a chunk without the head receives its output gradient into the pipeline's receive buffer (pp_buffers):
     # no fresh [n, D] gradient in `other` until its last block's backward makes one
     d_out = a.d_stream if layout.pp == 1 or _at_head(r, s) else 0
     o3 = s.other + d_out + (st.unit_max if gathering else 0)
+    if single and _at_head(r, s):
+        # the head's reduce-scatter input (fp32) stays until the next unit's post-backward pops it
+        # (FSDPParamGroup.post_backward, reduce_scatter_max_input_buffers = 1); its sharded output is a grad
+        o3 += 4 * (st.head_unit // r.compute_bytes)
+        if s.ps.grads < 1:
+            g3 += 4 * st.head_stored
     acts3 = s.acts + s.logits_alive + r.recompute_extra
     if layout.pp > 1 and layout.pp_schedule == "zero_bubble":
         o3 += r.chunk_layers[s.ps.chunk] * a.lin_out_grads
@@ -175,6 +192,8 @@ def first_block_units_kept(r: RankView, s: StateView) -> list[Moment]:
         root_c = sum(d0 * r_ for d0, r_, _, _ in _root_tensors(layout, False, r.stages[c] == r.n_stages - 1))
         b_end += 4 * ((lay[c] - 1) * r.block_local + root_c)
     p_end = s.param_copies + s.kept_other + st.chunk_units[c]
+    if not s.own_kept and r.stages[c] == 0:  # the embedding's own unit: resharded after its forward, gathered
+        p_end -= st.embed_unit  # again only for its backward (fsdp_units.py)
     out = []
     if not s.own_kept:
         out.append(Moment("first block gathered (units kept)", p_end, g_end, acts_end,
@@ -221,7 +240,13 @@ def first_layer_backward(r: RankView) -> list[Moment]:
             if m > 1:  # sharded grads of this block and the root from the earlier micro-steps
                 g4 += 4 * (st.n_stored - (blk_shard - blk_shard // max(n_blk, 1)))
             b4 = cb * (root_local - ((V // tp) * D if r.has_embed else 0) + r.w2)
+            if layout.pp == 1:  # the head unit's gradients were reduce-scattered after its backward
+                b4 -= cb * r.head_numel
+                if m == 1:
+                    g4 += 4 * st.head_stored
         p4, o4 = st.root_unit + st.unit_max, st.rs_buffer
+        if layout.pp == 1:  # the embedding (prefetched by this block's pre-backward) and this block
+            p4 = st.embed_unit + st.unit_max
         if layout.pp > 1:  # the chunk's units all stay gathered until perform_reduce_grad (pipeline._kept_units)
             p4 = st.chunk_units[0]
         if layout.fsdp_holds_units and m > 1:
@@ -234,7 +259,7 @@ def first_layer_backward(r: RankView) -> list[Moment]:
                 b_h = 4 * st.n_local + r.tp_embed + (cb * (root_local + r.w2) if layout.precision == "mp" else 0)
             else:
                 g_h = 4 * st.n_stored
-                b_h = cb * (root_local - ((V // tp) * D if r.has_embed else 0) + r.w2)
+                b_h = cb * (root_local - ((V // tp) * D if r.has_embed else 0) - r.head_numel + r.w2)
             held.append(Moment("block backward (first, units held)", st.all_units + a.pcopy_layer, g_h, 0,
                                r.other_base + a.d_stream + a.ffn_bwd + (0 if r.fsdp_accum else st.rs_buffer), {},
                                b_h))
@@ -251,8 +276,22 @@ def first_layer_backward(r: RankView) -> list[Moment]:
                    r.other_base + a.d_stream + a.ffn_bwd + o4, {}, b4)] + [h._replace(activations=acts4) for h in held]
 
 
+def head_reduce_scatter(r: RankView, s: StateView) -> list[Moment]:
+    """FSDP without a pipeline: the [norm, output] unit's reduce-scatter right after its backward (its
+    post-backward runs when the final norm's input gradient is made, fsdp_units.py), with every block's saved
+    activations still alive; the unit is resharded first (FSDPParamGroup.post_backward), and under zero 3 the
+    last block's prefetched all-gather output waits in its staging buffer. Zero 2 holds every other unit."""
+    if not (r.fsdp and r.layout.pp == 1 and r.has_head and not r.fsdp_accum):
+        return []
+    st, a = r.st, r.a
+    held = s.param_copies + (0 if r.zero3 else st.all_units - st.head_unit)
+    rs = _unit_reduce_scatter(r.layout, st.head_unit, st.head_stored, r.compute_bytes)
+    return [Moment("head reduce-scatter", held, s.grads_prev, s.acts,
+                   s.other + a.d_stream + (st.unit_max if r.zero3 else 0) + rs, {"head_reduce_scatter": rs})]
+
+
 def root_reduce_scatter(r: RankView) -> list[Moment]:
-    """FSDP without a pipeline: the root unit's reduce-scatter at the end of every backward."""
+    """FSDP without a pipeline: the embedding unit's reduce-scatter at the end of every backward."""
     if not (r.fsdp and r.layout.pp == 1):
         return []
     # ZeRO-1 on FSDP2 reduces only on the last micro-step: no sharded gradient from an earlier one
@@ -260,28 +299,35 @@ def root_reduce_scatter(r: RankView) -> list[Moment]:
     return [_root_reduce_scatter(r.layout, r.st, r.compute_bytes, m, r.data, r.other_base)]
 
 
-def _root_reduce_scatter(layout: Layout, st: _States, cb: int, m: int, data: int, other0: int) -> Moment:
-    """The root unit's reduce-scatter at the end of every backward (FSDP2 runs the root's post_backward from
-    FSDPState._root_post_backward_final_callback, after every block's). foreach_reduce (torch 2.13
-    fsdp/_fully_shard/_fsdp_collectives.py) allocates the reduce-scatter input in reduce_dtype, fp32 here
-    (parallel/fsdp.py: MixedPrecisionPolicy(reduce_dtype=float32)), so the root's [V, D] embedding and head
-    gradients get an fp32 copy, padded to the whole unit; foreach_reduce_scatter_copy_in fills it while every
-    unsharded root gradient (compute dtype) is alive, then the list is cleared and the fp32 output shard is
-    allocated next to the input. Measured on CPU (vocab-zero3-dp2-bf16, memory.py) at the collective: input
-    + output + one [V/tp, D] compute-dtype gradient the autograd engine still holds (no Python reference; the
-    graph task ends after this callback) + gloo's own copy of the input (GLOO_COPIES_RS_INPUT). The previous
-    unit's reduce-scatter input is not alive: FSDPParamGroup.post_backward pops comm_ctx.reduce_scatter_states
-    down to reduce_scatter_max_input_buffers (1) before this reduce appends. On CUDA the estimator assumes the
-    same moment without gloo's copy (the held gradient is the engine's, not the backend's). Sharded gradients:
-    all of them after an earlier micro-step, else every block's but the root's (its output is the new one)."""
-    rs_in = 4 * (st.root_unit // cb)  # padded unsharded root numel, fp32
-    rs_out = 4 * st.root_stored
+def _unit_reduce_scatter(layout: Layout, unit: int, stored: int, cb: int) -> int:
+    """Bytes one unit's reduce-scatter adds (`unit`: its gathered compute bytes, `stored`: its shard's numel):
+    the copy-in (every unsharded gradient + the fp32 input) or the collective (input + output + one [V/tp, D]
+    compute-dtype gradient the autograd engine still holds + gloo's own copy of the input), see
+    _root_reduce_scatter."""
+    rs_in = 4 * (unit // cb)  # padded unsharded numel, fp32
     held = cb * (layout.vocab_size // layout.tp) * layout.d_model
     gloo = rs_in if (layout.device == "cpu" and GLOO_COPIES_RS_INPUT) else 0
-    # copy-in (all unsharded root grads + input) or the collective (input + output + held grad + gloo's copy)
-    rs = rs_in + max(st.root_unit, rs_out + held + gloo)
-    grads = st.grads_full if m > 1 else st.grads_full - rs_out
-    return Moment("root reduce-scatter", 0, grads, data, other0 + rs, {"root_reduce_scatter": rs})
+    return rs_in + max(unit, 4 * stored + held + gloo)
+
+
+def _root_reduce_scatter(layout: Layout, st: _States, cb: int, m: int, data: int, other0: int) -> Moment:
+    """The last unit's reduce-scatter at the end of every backward: the embedding's (fsdp_units.py; FSDP2 runs
+    its post_backward from FSDPState._root_post_backward_final_callback, after every block's, since the token
+    ids need no gradient). foreach_reduce (torch 2.13 fsdp/_fully_shard/_fsdp_collectives.py) allocates the
+    reduce-scatter input in reduce_dtype, fp32 here (parallel/fsdp.py: MixedPrecisionPolicy(reduce_dtype=
+    float32)), so the [V, D] embedding gradient gets an fp32 copy, padded to the whole unit;
+    foreach_reduce_scatter_copy_in fills it while the unsharded gradient (compute dtype) is alive, then the list
+    is cleared and the fp32 output shard is allocated next to the input. Measured on CPU (vocab-zero3-dp2-bf16,
+    memory.py) at the collective: input + output + one [V/tp, D] compute-dtype gradient the autograd engine still
+    holds (no Python reference; the graph task ends after this callback) + gloo's own copy of the input
+    (GLOO_COPIES_RS_INPUT). The previous unit's reduce-scatter input is not alive: FSDPParamGroup.post_backward
+    pops comm_ctx.reduce_scatter_states down to reduce_scatter_max_input_buffers (1) before this reduce appends.
+    On CUDA the estimator assumes the same moment without gloo's copy (the held gradient is the engine's, not the
+    backend's). Sharded gradients: all of them after an earlier micro-step, else every unit's but the
+    embedding's (its output is the new one)."""
+    rs = _unit_reduce_scatter(layout, st.embed_unit, st.embed_stored, cb)
+    grads = st.grads_full if m > 1 else st.grads_full - 4 * st.embed_stored
+    return Moment("embedding reduce-scatter", 0, grads, data, other0 + rs, {"embedding_reduce_scatter": rs})
 
 
 def optimizer_step(r: RankView) -> list[Moment]:

@@ -118,7 +118,7 @@ def pipe_states(layout: Layout, rank: int) -> list[_PipeState]:
 
 def schedule_key(layout: Layout) -> tuple[str, int, int, int, bool]:
     """What a rank's schedule states depend on besides the rank: (schedule, pp, v, m, units tracked: zero 3)."""
-    return layout.pp_schedule, layout.pp, layout.pp_virtual, layout.n_micro_batches, layout.fsdp and layout.zero == 3
+    return layout.pp_schedule, layout.pp, layout.pp_virtual, layout.n_micro_batches, layout.reshards_blocks
 
 
 def periodic_rounds(schedule: str, pp: int, v: int, m: int) -> int:

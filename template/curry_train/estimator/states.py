@@ -64,6 +64,11 @@ class _States:
     root_stored: int = 0  # of which the root unit's (embedding, final norm, head)
     chunk_units: tuple[int, ...] = ()  # per pipeline chunk (stage) of this rank: its units gathered (compute bytes)
     chunk_roots: tuple[int, ...] = ()  # of which the root unit's part (embedding / head) per chunk
+    # the root's two FSDP units (fsdp_units.py: the embedding, and [norm, output]): gathered (compute bytes), stored
+    embed_unit: int = 0
+    head_unit: int = 0
+    embed_stored: int = 0
+    head_stored: int = 0
 
 
 def _states(layout: Layout, stages: list[int]) -> _States:
@@ -112,12 +117,16 @@ def _states_cached(layout: Layout, stages: tuple[int, ...]) -> _States:
         roots = tuple(cbytes * sum(shard(tn) * group(tn) for tn in _root_tensors(layout, s_ == 0, s_ == n_stages - 1))
                       for s_ in stages)
         chunks = tuple(cbytes * gathered((s_,)) + rt for s_, rt in zip(stages, roots))
+        embed_t = _root_tensors(layout, 0 in stages, False)
+        head_t = _root_tensors(layout, False, n_stages - 1 in stages)
         return _States(params=4 * stored, grads_full=4 * stored, opt=8 * stored +
                        step_bytes * n_tensors, ddp_buckets=0, unit_max=cbytes * unit, root_unit=cbytes * root_sz,
                        all_units=cbytes * (gathered(stages) + root_sz), rs_buffer=4 * unit,
                        step_transient=_step_transient(layout, 4 * largest, 4 * stored), n_local=n_local,
                        n_stored=stored, largest_tensor=largest, root_stored=root_shard, chunk_units=chunks,
-                       chunk_roots=roots)
+                       chunk_roots=roots, embed_unit=cbytes * sum(shard(tn) * group(tn) for tn in embed_t),
+                       head_unit=cbytes * sum(shard(tn) * group(tn) for tn in head_t),
+                       embed_stored=sum(shard(tn) for tn in embed_t), head_stored=sum(shard(tn) for tn in head_t))
     if shards_optimizer_only(layout.dp, layout.cp, layout.zero, layout.tp):  # ZeRO-1 (wrapping.py)
         every = [tn for n, ts in kinds for tn in ts * n] + root
         if layout.num_experts and layout.ep > 1:  # parallel/zero.py: the experts are partitioned on their own

@@ -11,9 +11,9 @@ it reduce-scatters the unit's gradients, so each rank keeps 1/d of params, grads
           backward (the SHARD_GRAD_OP equivalent; no second all-gather in backward). Between steps, and during
           the optimizer step, only the shards exist.
   zero=3  reshard_after_forward=True: parameters are freed after each unit's forward and gathered again for its
-          backward (FULL_SHARD). The root unit too (an explicit True overrides FSDP2's keep-the-root heuristic):
-          the root is gathered for the whole forward anyway (embedding first, head last), so at most the root
-          plus one block are gathered at a time.
+          backward (FULL_SHARD), except the [norm, output] unit, which the backward needs at once, and except
+          under a pipeline, where parallel.fsdp_reshard=default keeps every unit gathered for the step (each
+          micro-batch's forward would gather it again); the rule and its policy: curry_train/fsdp_units.py.
 
   zero=1  (with TP; wrapping.py) Megatron's distributed optimizer (Narayanan et al. 2021, SC21; Megatron-LM
           docs "Distributed Optimizer"): reshard_after_forward=False, and on every micro-batch but the last
@@ -25,8 +25,9 @@ it reduce-scatters the unit's gradients, so each rank keeps 1/d of params, grads
           micro-batches (one all-gather per step), gradients are still reduce-scattered every micro-batch.
   Under PP torch's schedule does both itself for every ZeRO stage (pipelining stage.py, no-sync backward).
 
-Units: one per transformer block plus the root (embedding, final norm, LM head and whatever the blocks leave),
-as torchtitan `apply_fsdp` does: the all-gather of block i+1 overlaps the compute of block i.
+Units, as torchtitan's apply_fsdp_to_decoder splits them (fsdp_units.py): the experts (EP), the token embedding,
+each transformer block, [norm, output] and the root, in that order; the all-gather of block i+1 overlaps the
+compute of block i, and the embedding is not held while the blocks run.
 HSDP (parallel.dp_replicate = r > 1): the same units on a 2-D mesh (r replicas x dp*cp/r shards): parameters,
 gradients and AdamW state are sharded r times less finely, and each gradient shard is all-reduced across the r
 replicas after its reduce-scatter (FSDP2's HYBRID_SHARD). The shard group sits inside a node when it fits, so
@@ -47,11 +48,13 @@ import torch
 from torch import nn
 
 from curry_train.config import Config
+from curry_train.fsdp_units import reshard_after_forward
 from curry_train.mesh import fsdp_mesh
 
 
 def fsdp_kwargs(cfg: Config) -> dict[str, Any]:
-    """The fully_shard arguments every unit of this config gets (experts, blocks and the root alike)."""
+    """The fully_shard arguments of this config's units: the blocks' reshard_after_forward (apply_fsdp sets the
+    embedding's and the head's from fsdp_units.py) and the mixed-precision policy every unit gets."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     if cfg.train.dtype == "bfloat16":
@@ -61,7 +64,8 @@ def fsdp_kwargs(cfg: Config) -> dict[str, Any]:
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=False)
     else:
         mp = MixedPrecisionPolicy()
-    return {"reshard_after_forward": cfg.parallel.zero >= 3, "mp_policy": mp}
+    p = cfg.parallel
+    return {"reshard_after_forward": reshard_after_forward(p.zero, p.pp, p.fsdp_reshard, "block"), "mp_policy": mp}
 
 
 def holds_step(module: nn.Module, last: bool, *, defer_reduce: bool) -> None:
@@ -73,17 +77,28 @@ def holds_step(module: nn.Module, last: bool, *, defer_reduce: bool) -> None:
 
 
 def apply_fsdp(model: nn.Module, mesh: Any, cfg: Config) -> None:
-    """Shard `model` in place: one FSDP2 unit per block, then the root, over the dp x cp mesh."""
+    """Shard `model` in place over the dp x cp mesh: experts (EP), embedding, each block, [norm, output], root."""
     from torch.distributed.fsdp import fully_shard
 
     kwargs = fsdp_kwargs(cfg)
-    dp_mesh = fsdp_mesh(mesh, cfg.parallel.dp_replicate)  # 2-D for HSDP (mesh.py fsdp_mesh)
+    p = cfg.parallel
+    dp_mesh = fsdp_mesh(mesh, p.dp_replicate)  # 2-D for HSDP (mesh.py fsdp_mesh)
+
+    def unit(modules: Any, name: str) -> None:
+        flag = reshard_after_forward(p.zero, p.pp, p.fsdp_reshard, name)  # fsdp_units.py: the one rule
+        fully_shard(modules, mesh=dp_mesh, **{**kwargs, "reshard_after_forward": flag})
+
     if cfg.model.num_experts > 0:
         # Expert shards are summed over edp_cp, not dp_cp: they get their own units first, and the block's
         # fully_shard below skips the params those units already manage (expert_parallel.py docstring).
         from curry_train.parallel.expert_parallel import fully_shard_experts
 
         fully_shard_experts(model, mesh, cfg, **kwargs)
+    if model.tok_embeddings is not None:  # (the model's head is untied: model/gpt.py)
+        unit(model.tok_embeddings, "embed")
     for block in model.layers.values():
-        fully_shard(block, mesh=dp_mesh, **kwargs)
-    fully_shard(model, mesh=dp_mesh, **kwargs)
+        unit(block, "block")
+    head = [m for m in (model.norm, model.output) if m is not None]
+    if head:
+        unit(head if len(head) > 1 else head[0], "head")
+    unit(model, "root")

@@ -179,6 +179,16 @@ def check(cfg: Config) -> list[Problem]:
             + ("has no FSDP units" if data_parallel_wrapper(p.dp, p.cp, p.zero, p.tp) != "fsdp" else
                "(zero=3 re-gathers by design; zero=1 with tp keeps them gathered already)"),
             "set parallel.zero=2 with dp*cp > 1, or parallel.fsdp_keep_gathered=false")
+    if p.fsdp_reshard != "default" and (p.zero != 3 or data_parallel_wrapper(p.dp, p.cp, p.zero, p.tp) != "fsdp"):
+        bad(["parallel.fsdp_reshard", "parallel.zero"], f"fsdp_reshard={p.fsdp_reshard} sets when ZeRO-3's FSDP "
+            f"units reshard after forward, but zero={p.zero} with dp*cp={p.dp * p.cp} "
+            + ("has no FSDP units" if data_parallel_wrapper(p.dp, p.cp, p.zero, p.tp) != "fsdp" else
+               "never reshards after forward"),
+            "set parallel.zero=3 with dp*cp > 1, or parallel.fsdp_reshard=default")
+    elif p.fsdp_reshard == "never" and p.pp == 1:
+        bad(["parallel.fsdp_reshard", "parallel.zero"], "fsdp_reshard=never with zero=3 and no pipeline keeps "
+            "every unit gathered from forward to backward: that is ZeRO-2",
+            "set parallel.zero=2 and parallel.fsdp_reshard=default (never matters only under parallel.pp > 1)")
     if ddp and p.pp > 1 and p.pp_schedule == "zero_bubble":
         bad(["parallel.zero", "parallel.pp_schedule"], f"zero={p.zero} (DDP) all-reduces when the last "
             "micro-batch's backward ends, but zero_bubble runs some weight-gradient passes after it (gradients "
