@@ -13,6 +13,8 @@ from typing import Any
 
 import pytest
 
+from tests.forkrun import ForkJob
+
 REPO = Path(__file__).resolve().parents[1]
 WRITTEN = "# written by update_config"  # the header update_config puts on every file it writes
 
@@ -66,6 +68,16 @@ def project(tmp_path: Path) -> Path:
     shipped_configs(tmp_path / "configs")
     (tmp_path / "runs").mkdir()
     return tmp_path
+
+
+@pytest.fixture
+def torchrun_via_forkserver(monkeypatch: pytest.MonkeyPatch) -> type[ForkJob]:
+    """launch.start_torchrun, and run_torchrun through it, forked from this process's forkserver pool
+    (tests/forkrun.py): for tests of what the ranks run (bench, train, white-box, climb), not of torchrun."""
+    import curry_train.train.launch as launch
+
+    monkeypatch.setattr(launch, "start_torchrun", ForkJob)
+    return ForkJob
 
 
 @pytest.fixture

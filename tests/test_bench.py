@@ -5,8 +5,6 @@ from __future__ import annotations
 import io
 import json
 import math
-import subprocess
-import sys
 import threading
 
 import pytest
@@ -104,14 +102,18 @@ def test_zero_bubble_fills_idle_time_with_weight_gradients():
 
 
 @pytest.mark.multirank
-def test_a_real_two_rank_bench_through_the_cli_measures_records_and_draws(project, tmp_path):
+def test_a_real_two_rank_bench_through_the_cli_measures_records_and_draws(project, tmp_path, capsys,
+                                                                         torchrun_via_forkserver):
+    """The CLI's bench in this process, its two ranks forked (tests/forkrun.py): the bench through torchrun's
+    environment is the MCP stdio tests' (tests/test_mcp_stdio.py), torchrun's own contract tests/test_cli.py's."""
+    from curry_train.cli import main
+
     png = tmp_path / "memory.png"
-    proc = subprocess.run([sys.executable, "-m", "curry_train.cli", "bench", "--config", "tiny", "--set",
-                           "parallel.dp=2", "--steps", "3", "--micro-batches", "1", "--json", "--plot", str(png),
-                           "--root", str(project)],
-                          capture_output=True, text=True, timeout=300, check=False)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    r = BenchResult.model_validate(json.loads(proc.stdout))
+    code = main(["bench", "--config", "tiny", "--set", "parallel.dp=2", "--steps", "3", "--micro-batches", "1",
+                 "--json", "--plot", str(png), "--root", str(project)])
+    out, err = capsys.readouterr()
+    assert code == 0, err[-3000:]
+    r = BenchResult.model_validate(json.loads(out))
     assert r.world_size == 2 and r.device == "cpu" and r.loss_finite and len(r.losses) == 4
     assert r.step_time_s and r.step_time_s > 0 and len(r.step_times_s) == 3
     # one of the step's two micro-batches per rank: 2 ranks x 2 sequences x 64 tokens in each benched step
@@ -126,5 +128,5 @@ def test_a_real_two_rank_bench_through_the_cli_measures_records_and_draws(projec
     rec = Ledger(project).get(r.run_id)
     assert rec.status == "ok" and rec.metrics["peak_memory_bytes"] == r.peak_memory_bytes
     assert _png_size(png.read_bytes())[0] >= 800
-    assert "step 3/3" in proc.stderr and "launching 2 rank" in proc.stderr and "1/2 micro-batches" in proc.stderr
-    assert "1 more step of the same run" in proc.stderr  # progress on stderr, JSON on stdout
+    assert "step 3/3" in err and "launching 2 rank" in err and "1/2 micro-batches" in err
+    assert "1 more step of the same run" in err  # progress on stderr, JSON on stdout

@@ -145,7 +145,9 @@ def test_a_lost_checkpoint_stops_the_climb_with_a_clear_error(project, fake_runs
 
 
 @pytest.mark.multirank
-def test_each_rung_resumes_the_previous_rungs_checkpoint_for_real(project, monkeypatch):
+def test_each_rung_resumes_the_previous_rungs_checkpoint_for_real(project, monkeypatch, torchrun_via_forkserver):
+    """The real bench, checkpoint and white-box of every rung, their ranks forked (tests/forkrun.py): what is
+    tested is the ranks' resume across layouts; the CLI's own resume through torchrun is test_checkpoint.py's."""
     import torch
     from curry_train.train.loop import setup, train_step
 

@@ -219,6 +219,29 @@ def test_the_first_diverging_layer_comes_from_the_forward_and_a_failing_scalar_n
     assert v.diverging_rank == 0 and any("rank clip norm step 0, rank 0" in f for f in v.failures), v.failures
 
 
+def test_a_gradient_the_zero_grad_left_on_any_rank_fails_the_verdict():
+    """A leftover gradient joins the next step's, and the last step's shows in no later gradient:
+    every rank reports what its zero-grad left (compare.grads_left), and any leftover fails, naming rank and step."""
+    from curry_train.model.data import global_batch
+    from curry_train.model.gpt import build_model, lm_loss
+    from curry_train.validation.compare import grads_left
+
+    cfg = load_config(TINY)
+    ref, par = _two_steps(torch.tensor([1.0, 0.5, 0.25, -0.25]))
+    clean = [[(1.0, None, []), (1.0, None, [])], [(1.0, None, []), (1.0, None, [])]]
+    v = compare(cfg, ref, {**par, "rank_scalars": clean}, 2)
+    assert v.passed and v.bound_use["zero_grad"] == 0.0, v.failures
+    left = [[(1.0, None, []), (1.0, None, [])], [(1.0, None, []), (1.0, None, ["w"])]]
+    v = compare(cfg, ref, {**par, "rank_scalars": left}, 2)
+    assert not v.passed and any("zero-grad step 1, rank 1" in f and "'w'" in f for f in v.failures), v.failures
+    model = build_model(cfg)
+    x, y = global_batch(cfg, 0)
+    lm_loss(model(x), y).backward()
+    assert len(grads_left([model])) == len(list(model.parameters()))
+    model.zero_grad(set_to_none=False)  # DDP's way: the bucket views zeroed in place
+    assert grads_left([model]) == []
+
+
 def test_default_steps_reach_the_end_of_a_short_warm_up_and_the_verdict_says_what_they_cover():
     from curry_train.validation.horizon import MAX_DEFAULT_STEPS, default_steps, horizon_note
 

@@ -56,7 +56,8 @@ summed), which is the noise above; nothing in those paths runs in lower precisio
               bug shows in every gradient below it but a forward bug only from its own layer on.
   per rank    every rank's own loss and the norm it clipped by (train.loop.StepResult.grad_norm) against the
               reference's, with the loss and grad-norm bounds: they are replicated values, so a rank whose value
-              differs is named (diverging_rank) when no tensor copy diverged.
+              differs is named (diverging_rank) when no tensor copy diverged. And every gradient the step's
+              zero-grad left non-zero on any rank (`grads_left`; "zero_grad" in bound_use): none may be left.
 
 bfloat16 runs are compared with a reference that makes the same casts (whitebox.reference `cast`: autocast, or
 FSDP2's bf16 units reducing in fp32). Layouts that split the batch only at micro-batch boundaries (dp, ZeRO/FSDP,
@@ -110,6 +111,13 @@ def layer_order(name: str) -> tuple[int, int]:
 def module_of(name: str) -> str:
     m = re.match(r"(layers\.\d+)(\.|$)", name)
     return m.group(1) if m else name.split(".")[0]
+
+
+def grads_left(parts: list[torch.nn.Module]) -> list[str]:
+    """Rank side, after a step: this rank's parameters whose gradient is still non-zero (DDP zeroes its bucket
+    views in place, FSDP sets None: either is clean)."""
+    return [n for part in parts for n, p in part.named_parameters() if p.grad is not None
+            and bool((p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad).any())]
 
 
 def _ratio(x: float) -> float:
@@ -341,6 +349,9 @@ def compare(cfg: Config, ref: dict[str, Any], par: dict[str, Any], steps: int, f
                 c.rank_scalar("rank_loss", t, rank, mine[s][0], losses_ref[s],
                               tol["loss_rtol"] * max(1.0, abs(losses_ref[s])))
                 c.rank_scalar("rank_clip_norm", t, rank, mine[s][1], gn_ref[-1], bound)
+                left = list(mine[s][2]) if len(mine[s]) > 2 else []  # a leftover joins the next step's gradient
+                if not c.used("zero_grad", HUGE if left else 0.0) <= 1.0:
+                    c.failures.append(f"zero-grad step {t}, rank {rank}: gradients left non-zero on {left[:3]}")
         for name in sorted(rg, key=layer_order):  # every step: re-synchronised, both start from the same weights
             c.grad(f"grad[step {t}]", name, rg[name], pg.get(name))
         for name in sorted(set(pg) - set(rg)):

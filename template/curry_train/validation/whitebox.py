@@ -14,8 +14,8 @@ Parallel: N ranks through the launcher, each running the training step that `tra
 output sums (validation/activations.py) and its `after_backward` hook only reads: every parameter's gradient
 gathered to full shape (DTensor.full_tensor for FSDP/TP, stage dicts for PP, expert shards for EP) under its
 reference name; after each update every rank's parameters (validation/compare.py: checksummed across replicas,
-divergent copies compared too), and every rank's own loss and clip norm. `--inject NAME` plants one known bug
-(validation/inject.py) in the ranks only.
+divergent copies compared too), and every rank's own loss, clip norm and zero-grad leftovers. `--inject NAME`
+plants one known bug (validation/inject.py) in the ranks only.
 From step 1 on the reference is re-synchronised to the parallel run's gathered weights before each step, so a
 step's error never loosens a later step's bound. Tolerances and their measured noise: validation/compare.py.
 
@@ -38,7 +38,7 @@ import torch
 
 from curry_train.config import Config, from_dict
 from curry_train.validation.activations import ActivationProbe, probed_names
-from curry_train.validation.compare import compare
+from curry_train.validation.compare import compare, grads_left
 from curry_train.validation.dtypes import fsdp_unit_dtypes
 from curry_train.validation.gather import _local_full, _merge_on_rank0, checksum, gather_full, replica_copies
 from curry_train.validation.horizon import default_steps, horizon_note
@@ -118,7 +118,7 @@ def parallel_job(spec: dict[str, Any]) -> dict[str, Any]:
                 r = train_step(par, step, after_backward=read_grads, read=True)  # every step's loss and norm
             losses.append(r.loss)
             lrs.append(float(par.optimizer.param_groups[0]["lr"]))  # the schedule position the update used
-            scalars.append((r.loss, r.grad_norm))  # this rank's own loss and the norm it clipped by
+            scalars.append((r.loss, r.grad_norm, grads_left(par.parts)))  # its own loss, clip norm, leftovers
             local = _local_full(par, "param")  # after every update: the first wrong step is the one named
             params.append(_merge_on_rank0(par, local))
             copies, held = replica_copies(local)
