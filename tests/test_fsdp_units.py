@@ -3,14 +3,14 @@ each with its reshard_after_forward, read back from the FSDP2 state of a model a
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 from curry_train.config import ConfigError, load_config
 from curry_train.fsdp_units import reshard_after_forward
 
-TINY = Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"
+from tests.conftest import PRESETS
+
+TINY = PRESETS / "tiny.yaml"
 
 
 def _units(cfg, tmp_path, stage=None) -> dict[str, tuple[tuple[str, ...], bool]]:

@@ -332,7 +332,7 @@ async def test_recommend_next_follows_the_ladder_from_a_single_device_oom(client
 @pytest.mark.anyio
 async def test_recommend_next_cautions_a_fit_inside_the_error_band_and_names_the_oom_rung(client):
     # the MCP answer carries what the CLI prints: `none`, the caution with the band, and the rung if it runs out
-    r = await client.call_tool("recommend_next", {"config": "llama3-8b", "overrides": {"train.seq_len": 131072,
+    r = await client.call_tool("recommend_next", {"config": "llama3-8b", "overrides": {"train.seq_len": 133120,
                                                                                       "train.global_batch": 8}})
     assert not r.is_error, _text(r)
     out = r.structured_content

@@ -201,11 +201,6 @@ def _comm(layout: Layout, hw: HardwareProfile, t_compute: float) -> list[CommIte
     return _expose(entries, t_compute, m, 3 / 4 if layout.recompute == "full" else 2 / 3)
 
 
-def _loss_chunks(layout: Layout) -> int:
-    """Token chunks of the LM head + loss on this rank (acts._Acts.chunks: config.loss_chunk_count)."""
-    return _acts(layout).chunks
-
-
 def _fsdp(layout: Layout, units: int, layers: int, add, head: int = 0, embed: bool = True) -> None:
     """FSDP2 (zero 1 under TP, 2, 3) and HSDP collectives. Without PP the template reduce-scatters every micro-step
     (parallelize._grad_sync_fn) and FSDP re-gathers per micro-batch: zero 3 in forward and again in backward
@@ -248,7 +243,7 @@ def _fsdp(layout: Layout, units: int, layers: int, add, head: int = 0, embed: bo
         # the unit reduce-scatters and reshards, and the first chunk's recompute gathers it again (measured, torch
         # 2.13: 2 post_backward and 1 unshard of the unit per backward; tests/test_fsdp_units.py). Priced in the
         # backward's gathers (zero 3) and reduce-scatters; zero 2's extra gather of the head is not priced.
-        twice = int(head > 0 and _loss_chunks(layout) > 1)
+        twice = int(head > 0 and _acts(layout).chunks > 1)  # the loss's token chunks (config.loss_chunk_count)
         if layout.reshards_blocks:  # every unit but [norm, output] (unless always) gathered again for its backward
             again, n_again = (units, n_units) if layout.head_reshards else (units - head, n_units - int(head > 0))
             again, n_again = again + twice * head, n_again + twice
