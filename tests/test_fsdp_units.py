@@ -124,15 +124,12 @@ def test_the_estimator_prices_zero3_under_pp_as_zero2_unless_always():
     assert always.per_pp_rank[0].total != z3.per_pp_rank[0].total
 
 
-def test_the_chunked_loss_gathers_and_reduces_the_head_unit_twice_and_the_time_model_prices_it(tmp_path):
-    # torch 2.13: the second chunk's `output` call enters the [norm, output] unit's forward again, so its
-    # backward reduce-scatters twice and gathers once more (estimator/comm.py _fsdp prices both per micro-batch)
+def _head_unit_calls(store: str) -> dict[str, int]:
+    """FSDPParamGroup.unshard / post_backward calls of the [norm, output] unit in one ZeRO-3 backward on a 1-rank
+    world (run by in_fresh_process)."""
     from collections import Counter
 
     import torch.distributed as dist
-    from curry_train.estimator import layout_of, load_any
-    from curry_train.estimator.comm import _comm
-    from curry_train.estimator.profiles import get_profile
     from curry_train.mesh import Topology, build_mesh
     from curry_train.model.gpt import build_meta_model
     from curry_train.parallel.fsdp import apply_fsdp
@@ -148,7 +145,7 @@ def test_the_chunked_loss_gathers_and_reduces_the_head_unit_twice_and_the_time_m
                 calls[_n] += 1
             return _o(self, *a, **k)
         mp.setattr(FSDPParamGroup, name, wrap)
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
     try:
         mesh = build_mesh(Topology(), "cpu")
         model = build_meta_model(cfg)
@@ -161,6 +158,19 @@ def test_the_chunked_loss_gathers_and_reduces_the_head_unit_twice_and_the_time_m
     finally:
         dist.destroy_process_group()
         mp.undo()
+    return dict(calls)
+
+
+def test_the_chunked_loss_gathers_and_reduces_the_head_unit_twice_and_the_time_model_prices_it(tmp_path):
+    # torch 2.13: the second chunk's `output` call enters the [norm, output] unit's forward again, so its
+    # backward reduce-scatters twice and gathers once more (estimator/comm.py _fsdp prices both per micro-batch)
+    from curry_train.estimator import layout_of, load_any
+    from curry_train.estimator.comm import _comm
+    from curry_train.estimator.profiles import get_profile
+
+    from tests.isolated import in_fresh_process
+
+    calls = in_fresh_process(_head_unit_calls, str(tmp_path / "store"))
     assert dict(calls) == {"post_backward": 2, "unshard": 1}
     lay = layout_of(load_any("tiny", {"parallel.dp": 2, "parallel.zero": 3}))
     one = layout_of(load_any("tiny", {"parallel.dp": 2, "parallel.zero": 3, "train.loss_chunks": 1}))

@@ -127,9 +127,8 @@ def test_llama3_8b_activation_bytes_per_layer_at_most_40_sbh() -> None:
     assert lay.precision == "mp" and per_sbh <= 40, per_sbh
 
 
-def test_fsdp_bf16_blocks_get_bf16_hidden_states_and_the_fp32_rope_tables(tmp_path) -> None:
-    """MixedPrecisionPolicy(cast_forward_inputs=False): each block's inputs as the root hands them, the hidden
-    state bf16 (the embedding computes in bf16), cos/sin the root's fp32 tables, not a bf16 copy per block."""
+def _block_input_dtypes(store: str) -> tuple[list, int]:
+    """The dtypes each block's forward receives under bf16 ZeRO-3 on a 1-rank world (run by in_fresh_process)."""
     import torch.distributed as dist
     from curry_train.mesh import Topology, build_mesh
     from curry_train.model.gpt import build_meta_model
@@ -137,7 +136,7 @@ def test_fsdp_bf16_blocks_get_bf16_hidden_states_and_the_fp32_rope_tables(tmp_pa
     from curry_train.parallel.materialize import global_shapes, materialize
 
     cfg = load_config(TINY, {"train.dtype": "bfloat16", "parallel.zero": 3})
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
     try:
         mesh = build_mesh(Topology(), "cpu")  # one rank: FSDP2's degree-1 sharding, its policy all the same
         model = build_meta_model(cfg)
@@ -149,4 +148,13 @@ def test_fsdp_bf16_blocks_get_bf16_hidden_states_and_the_fp32_rope_tables(tmp_pa
         model(torch.randint(0, cfg.model.vocab_size, (1, cfg.train.seq_len)))
     finally:
         dist.destroy_process_group()
-    assert seen == [(torch.bfloat16, torch.float32, torch.float32)] * cfg.model.n_layers, seen
+    return seen, cfg.model.n_layers
+
+
+def test_fsdp_bf16_blocks_get_bf16_hidden_states_and_the_fp32_rope_tables(tmp_path) -> None:
+    """MixedPrecisionPolicy(cast_forward_inputs=False): each block's inputs as the root hands them, the hidden
+    state bf16 (the embedding computes in bf16), cos/sin the root's fp32 tables, not a bf16 copy per block."""
+    from tests.isolated import in_fresh_process
+
+    seen, n_layers = in_fresh_process(_block_input_dtypes, str(tmp_path / "store"))
+    assert seen == [(torch.bfloat16, torch.float32, torch.float32)] * n_layers, seen

@@ -182,7 +182,6 @@ def _barrier() -> None:
 
 # IO threads per rank of the file writer (DCP's FileSystemWriter splits a rank's tensors over this many files).
 WRITER_THREADS = 4
-_groups: dict[int, Any] = {}  # id(default group) -> the gloo group the background saves talk over
 _pending: PendingSave | None = None  # at most one save in flight per process
 _stagers: dict[str, Any] = {}  # device type -> the pinned-memory stager reused by every save (CUDA only)
 
@@ -206,12 +205,9 @@ def _ckpt_group():
     (torch.distributed.checkpoint.async_save: "A CPU backend must be enabled")."""
     if not dist.is_initialized():
         return None
-    key = id(dist.distributed_c10d._get_default_group())
-    if key not in _groups:
-        from curry_train.train.comm_init import new_group
+    from curry_train.train.comm_init import shared_group
 
-        _groups[key] = new_group(backend="gloo")  # the default group's timeout, and set_train_timeout's after it
-    return _groups[key]
+    return shared_group("checkpoint", backend="gloo")  # the default group's timeout, and set_train_timeout's after
 
 
 def _stager(device: torch.device):

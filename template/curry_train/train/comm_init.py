@@ -75,6 +75,17 @@ def new_group(**kwargs: Any) -> dist.ProcessGroup:
     return g
 
 
+_shared: dict[str, dist.ProcessGroup] = {}  # name -> a group every caller of shared_group(name) reuses
+
+
+def shared_group(name: str, **kwargs: Any) -> dist.ProcessGroup:
+    """One new_group per name and world (the checkpoint's gloo group): made on first use, reused while this world
+    has it registered (a new world of the same process makes its own)."""
+    if name not in _shared or _shared[name] not in dist.distributed_c10d._world.pg_map:
+        _shared[name] = new_group(**kwargs)
+    return _shared[name]
+
+
 def set_train_timeout(cfg: Config, mesh: Any = None) -> list[dist.ProcessGroup]:
     """After the first optimizer step: every rank has finished it (barrier, device sync), then the default group,
     every group the mesh built (mesh.process_groups) and every group made by new_group get `comm.train_timeout_s`.
@@ -88,7 +99,8 @@ def set_train_timeout(cfg: Config, mesh: Any = None) -> list[dist.ProcessGroup]:
         torch.cuda.synchronize()
     timeout = timedelta(seconds=cfg.comm.train_timeout_s)
     groups = [dist.group.WORLD, *(process_groups(mesh) if mesh is not None else [])]
-    groups += _extra.get(id(dist.distributed_c10d._get_default_group()), [])
+    live = dist.distributed_c10d._world.pg_map  # (a new world may reuse a destroyed default group's id)
+    groups += [g for g in _extra.get(id(dist.distributed_c10d._get_default_group()), []) if g in live]
     done: list[dist.ProcessGroup] = []
     for g in groups:
         if all(g is not d for d in done):
@@ -107,3 +119,16 @@ def pg_timeout(group: dist.ProcessGroup | None = None) -> timedelta:
 
 def local_rank() -> int:
     return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def destroy_process_group() -> None:
+    """End of a rank: drop the groups this process cached for the world (new_group's, shared_group's) while the
+    world still exists, so none outlives it into a later world of the same process (an in-process test, a
+    forkserver job), then collect DDP's reference cycles (alive at destroy they abort the process:
+    docs/CPU-DISTRIBUTED.md, quirk 1) and destroy the world."""
+    import gc
+
+    _extra.clear()
+    _shared.clear()
+    gc.collect()
+    dist.destroy_process_group()

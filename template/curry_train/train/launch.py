@@ -13,7 +13,6 @@ torch preloaded (~0.3 s a launch instead of ~5 s): tests batch many checks into 
 
 from __future__ import annotations
 
-import gc
 import json
 import os
 import pickle
@@ -264,8 +263,9 @@ def _fork_worker(rank: int, world: int, port: int, fn: Callable, args: tuple, ou
     os.replace(path + ".tmp", path)
     if not result["ok"]:
         os._exit(1)  # peers may be blocked in a collective: exit now so the launcher kills them at once
-    gc.collect()  # DDP reference cycles alive at destroy -> SIGABRT at exit (quirk 1)
-    dist.destroy_process_group()
+    from curry_train.train.comm_init import destroy_process_group
+
+    destroy_process_group()  # the cached groups first, then DDP's cycles (quirk 1), then the world
 
 
 def launch_forkserver(fn: Callable, world: int, *args: Any, timeout: float = 180.0,

@@ -268,8 +268,9 @@ def main(argv: list[str] | None = None) -> int:
                        keep_last=a.keep_last)
     is_rank0 = rank() == 0
     if dist.is_initialized():
-        gc.collect()  # DDP reference cycles alive at destroy abort the process (docs/CPU-DISTRIBUTED.md, quirk 1)
-        dist.destroy_process_group()
+        from curry_train.train.comm_init import destroy_process_group
+
+        destroy_process_group()  # the cached groups first, then DDP's cycles (quirk 1), then the world
     if is_rank0:
         print(json.dumps({"first_loss": out["losses"][0], "last_loss": out["losses"][-1]}), file=sys.stderr)
     return 0

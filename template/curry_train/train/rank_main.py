@@ -6,7 +6,6 @@ Runs the job kind named in the spec (see jobs.py) and writes `rank<R>.json` = {"
 
 from __future__ import annotations
 
-import gc
 import json
 import os
 import sys
@@ -30,8 +29,9 @@ def main(spec_path: str) -> int:
     tmp.write_text(json.dumps(result), encoding="utf-8")
     os.replace(tmp, out / f"rank{rank}.json")
     if dist.is_initialized():
-        gc.collect()  # docs/CPU-DISTRIBUTED.md, quirk 1
-        dist.destroy_process_group()
+        from curry_train.train.comm_init import destroy_process_group
+
+        destroy_process_group()  # the cached groups first, then DDP's cycles (quirk 1), then the world
     return 0 if result["ok"] else 1
 
 
