@@ -100,13 +100,13 @@ def optimizer_state_full(par) -> dict[str, torch.Tensor] | None:
     ranks hold (replicas) keeps the first holder's copy; `optimizer_state_full` checks nothing itself."""
     import torch.distributed as dist
 
-    from curry_train.train.checkpoint import _adam_owner, _param_names
+    from curry_train.train.checkpoint import _adam_owners, _param_names
 
-    owner, owned = _adam_owner(par)
-    mine = {id(p) for p in owned}
+    # id(param) -> the AdamW that steps it here (ZeRO-1 with experts: two of them, parallel/zero.py)
+    mine = {id(p): owner for owner, owned in _adam_owners(par) for p in owned}
     local: dict[str, torch.Tensor] = {}
     for name, p in _param_names(par).values():  # the parts' parameter order: the same on every rank of a stage
-        st = owner.state.get(p) if id(p) in mine else None
+        st = mine[id(p)].state.get(p) if id(p) in mine else None
         for key, v in sorted((st or {}).items()):
             t = v.detach()
             if hasattr(t, "full_tensor"):

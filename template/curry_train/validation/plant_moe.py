@@ -25,7 +25,8 @@ def tp_ep_tokens_twice(stack, cfg: Config, target: str | None) -> Planted:
 
     plan = tensor_parallel.block_plan
     _patch(stack, tensor_parallel, "block_plan",
-           lambda sp, dense_ffn=True, shared=False, ep_over_tp=False: plan(sp, dense_ffn, shared, False))
+           lambda sp, dense_ffn=True, shared=False, ep_over_tp=False, mla_q_lora=None:
+           plan(sp, dense_ffn, shared, False, mla_q_lora))
     return Planted()
 
 
