@@ -152,7 +152,7 @@ def _base(model_sec: dict[str, Any], train_sec: dict[str, Any], gpus_per_node: i
 
 _ADDS = (("zero", ("zero",)), ("keep-gathered", ("fsdp_keep_gathered",)), ("recompute", ("recompute",)),
          ("tp", ("tp", "sp")),
-         ("pp", ("pp", "pp_schedule", "pp_virtual")), ("ep", ("ep",)), ("cp", ("cp", "sp")),
+         ("pp", ("pp", "pp_schedule", "pp_virtual", "fsdp_reshard")), ("ep", ("ep",)), ("cp", ("cp", "sp")),
          ("hsdp", ("dp_replicate",)))  # HSDP last: its replica count divides the final dp
 _ZERO_WHAT = {1: "optimizer state", 2: "optimizer state and gradients", 3: "parameters, gradients and optimizer "
               "state"}
@@ -189,7 +189,8 @@ def _climb(base: Config, target: dict[str, Any], mb: int, hw: Any, probe: Any, m
     t, h = base.train, base.hardware
     world = h.gpus_per_node * h.nodes
     par = {**base.parallel.model_dump(), "zero": 0, "recompute": "none", "tp": 1, "sp": False, "pp": 1,
-           "pp_schedule": "1f1b", "pp_virtual": 1, "ep": 1, "cp": 1, "dp_replicate": 1, "fsdp_keep_gathered": False}
+           "pp_schedule": "1f1b", "pp_virtual": 1, "ep": 1, "cp": 1, "dp_replicate": 1, "fsdp_keep_gathered": False,
+           "fsdp_reshard": "default"}
     steps = [("baseline", par)]
     for prim, keys in _ADDS:
         if target.get(keys[0], par[keys[0]]) == par[keys[0]]:

@@ -15,8 +15,8 @@ Search space: tp x cp x pp x dp over the cluster with
   dp   the rest of the cluster, lowered to the largest size the global batch feeds (GPUs then idle);
   ep   (MoE) divisors of the experts that divide dp, or dp x tp under TP (rules.ep_domain);
   zero 0-3 (one row at dp*cp == 1: the stages are the same layout there, so duplicates collapse); zero 1 with
-       tp > 1 is Megatron's distributed optimizer (FSDP2 holding the step, wrapping.py); under PP zero 3 is left out
-       (fsdp_reshard=default keeps its units gathered there: the zero-2 row, or zero 1 with tp, is the same layout);
+       tp > 1 is Megatron's distributed optimizer (FSDP2 holding the step, wrapping.py); under PP zero 3 is searched
+       with fsdp_reshard=always (default keeps its units gathered there: the zero-2 row, or zero 1 with tp);
   keep zero 2 without PP also with parallel.fsdp_keep_gathered (units gathered across the micro-batches: one
        all-gather per step, so accumulation no longer costs a gather per micro-batch), at 2+ micro-batches;
   hsdp at zero 2/3 whose dp*cp group spans nodes, also parallel.dp_replicate = rules.hsdp_replicas (the fewest
@@ -184,13 +184,14 @@ def _search(cfg: Config, hw: HardwareProfile, margin: float, *, with_cp: bool,
                     if zero == 2 and tp > 1 and pp > 1:
                         continue  # = ZeRO-1 there: the schedule holds the units and reduces once for both
                         # (parallel/fsdp.py docstring; the estimator's numbers are the same), so one row, zero 1
-                    if zero == 3 and pp > 1:
-                        continue  # = ZeRO-2 there (zero 1 with tp): fsdp_reshard=default keeps the units gathered
-                        # under PP (curry_train/fsdp_units.py, torchtitan's policy), so the zero-2 / zero-1 row is it
+                    # under PP fsdp_reshard=default keeps ZeRO-3's units gathered (curry_train/fsdp_units.py,
+                    # torchtitan's policy): that is the zero-2 / zero-1 row, so the zero-3 row there reshards
+                    # after each micro-batch's forward (always), the distinct, lighter layout
+                    reshard = "always" if zero == 3 and pp > 1 else "default"
                     sp = tp > 1 and cp == 1  # SP with TP, except under CP (both shard the sequence)
                     par = {"dp": dp, "zero": zero, "recompute": "none", "tp": tp, "sp": sp, "pp": pp,
                            "pp_schedule": sched, "pp_virtual": v, "ep": ep, "cp": cp, "dp_replicate": dpr,
-                           "fsdp_keep_gathered": keep}
+                           "fsdp_keep_gathered": keep, "fsdp_reshard": reshard}
                     object.__setattr__(probe_cfg, "parallel", ParallelConfig.model_construct(**par))
                     object.__setattr__(probe_cfg, "train", t.model_copy(update={"micro_batch": mbs[0] if mbs else 1}))
                     if not mbs or check(probe_cfg):
@@ -200,7 +201,8 @@ def _search(cfg: Config, hw: HardwareProfile, margin: float, *, with_cp: bool,
                         continue
                     x = replace_layout(x0, dp=dp, zero=zero, recompute="none", tp=tp, sp=sp, pp=pp,
                                        pp_schedule=sched, pp_virtual=v, ep=ep, cp=cp, micro_batch=mbs[0],
-                                       dp_replicate=dpr, pp_layers=None, fsdp_keep_gathered=keep)
+                                       dp_replicate=dpr, pp_layers=None, fsdp_keep_gathered=keep,
+                                       fsdp_reshard=reshard)
                     # the reserve depends on the layout (one NCCL communicator per group it uses, reserve.py)
                     usable = budget - reserve_of(x)
                     limit = int(usable * (1 - margin))
