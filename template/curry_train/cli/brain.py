@@ -80,10 +80,13 @@ def _human_rec(r: Any) -> str:
 
 
 def _layout(par: dict[str, Any], mb: int) -> str:
-    """Every key that tells two layouts apart: sizes, ZeRO stage, recompute, schedule, HSDP replicas, micro-batch."""
+    """Every key that tells two layouts apart: sizes, ZeRO stage (+keep: fsdp_keep_gathered; the reshard policy when
+    not default), recompute, schedule, HSDP replicas, micro-batch."""
     pp = f"pp{par['pp']}" + (f"({par['pp_schedule']} v{par['pp_virtual']})" if par["pp"] > 1 else "")
     dp = f"dp{par['dp']}" + (f"(r{par['dp_replicate']})" if par.get("dp_replicate", 1) > 1 else "")
-    return (f"{dp} z{par['zero']} tp{par['tp']}{'+sp' if par.get('sp') else ''} {pp} cp{par['cp']} ep{par['ep']} "
+    z = f"z{par['zero']}" + ("+keep" if par.get("fsdp_keep_gathered") else "")  # ZeRO-2 units kept gathered
+    z += f"({par['fsdp_reshard']})" if par.get("fsdp_reshard", "default") != "default" else ""
+    return (f"{dp} {z} tp{par['tp']}{'+sp' if par.get('sp') else ''} {pp} cp{par['cp']} ep{par['ep']} "
             f"rc:{par['recompute']} mb{mb}")
 
 
