@@ -43,6 +43,14 @@ def _merge_on_rank0(par, local: dict[str, torch.Tensor]) -> dict[str, torch.Tens
         return local
     if par.topo.pp == 1:  # every rank holds every name already
         return local if dist.get_rank() == 0 else None
+    return _gather_first_holders(local)
+
+
+def _gather_first_holders(local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
+    """Every rank's {name: tensor} merged on rank 0 (None elsewhere); a name two ranks hold keeps the lowest
+    rank's copy. A collective: every rank calls it."""
+    import torch.distributed as dist
+
     parts: list[Any] = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object(local, parts, dst=0)
     if dist.get_rank() != 0:
@@ -117,12 +125,4 @@ def optimizer_state_full(par) -> dict[str, torch.Tensor] | None:
             local[f"{name}.{key}"] = t.float().cpu().clone()
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return local
-    parts: list[Any] = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    dist.gather_object(local, parts, dst=0)
-    if dist.get_rank() != 0:
-        return None
-    merged: dict[str, torch.Tensor] = {}
-    for d in parts:
-        for k, v in d.items():
-            merged.setdefault(k, v)
-    return merged
+    return _gather_first_holders(local)
