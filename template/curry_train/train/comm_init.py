@@ -64,14 +64,14 @@ def init_process_group(cfg: Config, device: torch.device) -> None:
     dist.init_process_group(backend_for(device.type), **kwargs)
 
 
-_extra: dict[int, list[Any]] = {}  # id(default group) -> the groups new_group made outside the mesh
+_extra: list[dist.ProcessGroup] = []  # the groups new_group made outside the mesh (this world's: pg_map)
 
 
 def new_group(**kwargs: Any) -> dist.ProcessGroup:
     """`dist.new_group` at the default group's timeout now (the init timeout before the first step, the train
     timeout after it), registered so that set_train_timeout reaches it too."""
     g = dist.new_group(timeout=pg_timeout(), **kwargs)
-    _extra.setdefault(id(dist.distributed_c10d._get_default_group()), []).append(g)
+    _extra.append(g)
     return g
 
 
@@ -99,8 +99,7 @@ def set_train_timeout(cfg: Config, mesh: Any = None) -> list[dist.ProcessGroup]:
         torch.cuda.synchronize()
     timeout = timedelta(seconds=cfg.comm.train_timeout_s)
     groups = [dist.group.WORLD, *(process_groups(mesh) if mesh is not None else [])]
-    live = dist.distributed_c10d._world.pg_map  # (a new world may reuse a destroyed default group's id)
-    groups += [g for g in _extra.get(id(dist.distributed_c10d._get_default_group()), []) if g in live]
+    groups += [g for g in _extra if g in dist.distributed_c10d._world.pg_map]  # this world's only
     done: list[dist.ProcessGroup] = []
     for g in groups:
         if all(g is not d for d in done):
