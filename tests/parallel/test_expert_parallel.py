@@ -94,7 +94,82 @@ def _ep_checks(rank: int, world: int) -> dict:
             (yr * dy).sum().backward()
         out[f"rc_{mode}"] = {"fwd": c.fwd, "bwd": c.bwd, "host_syncs": ep.host_syncs,
                              "y": yr.detach(), "dx": xr.grad}
+    out["overlap"] = _overlap_checks(rank, xs, dy)
     return out
+
+
+FS = 200  # the shared expert's width: no other matmul of the layer has a dimension this large (D 64, F 128, R <= 128)
+
+
+def _overlap_checks(rank: int, xs: torch.Tensor, dy: torch.Tensor) -> dict:
+    """A MoE layer with a shared expert on 2 ranks, per recompute mode: the order in which the all-to-alls, their
+    waits and the shared expert's matmuls run, forward and backward; and its output and input gradient against
+    the same layer with the shared expert after the combine's wait (no overlap)."""
+    import torch.distributed as dist
+    from curry_train.mesh import Topology, build_mesh
+    from curry_train.model.gpt import build_model
+    from curry_train.model.moe import moe_layers
+    from curry_train.parallel import comms
+    from curry_train.parallel.expert_parallel import apply_ep
+    from curry_train.parallel.recompute import checkpointed
+
+    cfg = load_config("configs/tiny-moe.yaml", {"parallel.dp": 2, "parallel.ep": 2, "model.n_shared_experts": 1,
+                                                "model.shared_d_ff": FS})
+    model = build_model(cfg)
+    apply_ep(model, build_mesh(Topology.from_config(cfg), "cpu"), cfg)
+    moe = moe_layers(model)[0][1]
+    store = dist.distributed_c10d._get_default_store()
+    out: dict = {}
+    for mode in ("none", "selective", "full"):
+        layer = checkpointed(moe.forward, mode) if mode != "none" else moe.forward
+        xr = xs.clone().requires_grad_()
+        # mode none: rank 1 holds back its side of the combine (forward) and of its transpose (backward) until
+        # rank 0 has run the shared expert's matmuls of that pass; rank 0 gets there only if its exchange was
+        # in flight meanwhile (a blocking all-to-all could not return before rank 1 joins: a store timeout)
+        with _Overlap(rank, store if mode == "none" else None) as log:
+            yr = layer(xr)
+            (yr * dy).sum().backward()
+        out[mode] = {"ops": log.ops, "y": yr.detach(), "dx": xr.grad}
+    real = comms.all_to_all_overlapped
+    comms.all_to_all_overlapped = lambda x, o, i, g, work: (comms.all_to_all(x, o, i, g), work())  # not overlapped
+    try:
+        xr = xs.clone().requires_grad_()
+        yr = moe.forward(xr)
+        (yr * dy).sum().backward()
+        out["serial"] = {"y": yr.detach(), "dx": xr.grad}
+    finally:
+        comms.all_to_all_overlapped = real
+    return out
+
+
+class _Overlap(TorchDispatchMode):
+    """Logs "a2a" (an all-to-all issued), "wait" and "shared" (a matmul with a dimension of width FS) with the
+    pass they run in. With a store, rank 0 posts when a pass's shared matmuls are done (3 forward, 6 backward:
+    input and weight gradients) and rank 1 waits for that post before its overlapped all-to-all of the pass."""
+
+    def __init__(self, rank: int, store):
+        super().__init__()
+        self.rank, self.store, self.ops = rank, store, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        import datetime
+
+        name, bwd = func.name(), torch._C._current_graph_task_id() != -1
+        tag = ("a2a" if name == "_c10d_functional::all_to_all_single" else
+               "wait" if name == "_c10d_functional::wait_tensor" else
+               "shared" if name == "aten::mm" and any(FS in a.shape for a in args[:2]) else None)
+        if tag == "a2a" and self.store is not None and self.rank == 1:
+            a2as = sum(1 for t, b in self.ops if t == "a2a" and b == bwd)
+            if (a2as == 1 and not bwd) or (a2as == 0 and bwd):  # the combine, then its transpose
+                self.store.wait(["shared_bwd" if bwd else "shared_fwd"], datetime.timedelta(seconds=30))
+        result = func(*args, **(kwargs or {}))
+        if tag:
+            self.ops.append((tag, bwd))
+        if tag == "shared" and self.store is not None and self.rank == 0:
+            done = sum(1 for t, b in self.ops if t == "shared" and b == bwd)
+            if done == (6 if bwd else 3):
+                self.store.set("shared_bwd" if bwd else "shared_fwd", "1")
+        return result
 
 
 class _Collectives(TorchDispatchMode):
@@ -115,8 +190,14 @@ class _Collectives(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_ep_all_to_all_and_moe_layer_equal_the_single_rank_layer():
-    res = launch_forkserver(_ep_checks, 2, timeout=120)
+@pytest.fixture(scope="module")
+def ep_checks() -> list:
+    """One 2-rank launch for the checks of the two tests below."""
+    return launch_forkserver(_ep_checks, 2, timeout=180)
+
+
+def test_ep_all_to_all_and_moe_layer_equal_the_single_rank_layer(ep_checks):
+    res = ep_checks
     for r in res:
         assert r["a2a"] == 0.0
         assert r["moe_cf0.0"] < 1e-6 and r["moe_cf1.0"] < 1e-6
@@ -136,6 +217,34 @@ def test_ep_all_to_all_and_moe_layer_equal_the_single_rank_layer():
         assert [r[k]["host_syncs"] for k in ("rc_none", "rc_selective", "rc_full")] == [1, 1, 1]
         for k in ("rc_selective", "rc_full"):  # recompute changes nothing the ranks compute
             assert torch.equal(r[k]["y"], r["rc_none"]["y"]) and torch.equal(r[k]["dx"], r["rc_none"]["dx"])
+
+
+def _pass(ops: list, bwd: bool) -> list[str]:
+    """The tags of one pass with each run of shared matmuls folded to one "shared"."""
+    tags = [t for t, b in ops if b == bwd]
+    return [t for i, t in enumerate(tags) if t != "shared" or i == 0 or tags[i - 1] != "shared"]
+
+
+def test_the_shared_expert_runs_while_the_combine_all_to_all_is_in_flight(ep_checks):
+    """model/moe.py overlaps the combine all-to-all with the shared expert (comms.all_to_all_overlapped): forward,
+    its matmuls run between the exchange's issue and its wait; backward, the transposed exchange is issued before
+    the shared expert's backward and waited after it. Rank 0 finishing the shared expert before rank 1 has issued
+    its side (mode none) shows the exchange was in flight meanwhile. Every recompute mode keeps the order and
+    computes what the serial layer computes (selective: the exchanges are saved and not replayed)."""
+    for r in ep_checks:
+        o = r["overlap"]
+        for mode in ("none", "selective", "full"):  # the dispatch, then the combine around the shared expert
+            assert _pass(o[mode]["ops"], False) == ["a2a", "wait", "a2a", "shared", "wait"], mode
+        assert _pass(o["none"]["ops"], True) == ["a2a", "shared", "wait", "a2a", "wait"]
+        # selective: the recomputation (the saved exchanges' waits around the shared expert's unsaved matmul,
+        # no all-to-all), then the same overlapped transpose
+        assert _pass(o["selective"]["ops"], True) == ["wait", "shared", "wait", "a2a", "shared", "wait", "a2a",
+                                                      "wait"]
+        # full recompute replays the forward (its own overlapped combine) inside the backward
+        assert _pass(o["full"]["ops"], True) == ["a2a", "wait", "a2a", "shared", "wait", "a2a", "shared", "wait",
+                                                 "a2a", "wait"]
+        for mode in ("none", "selective", "full"):
+            assert torch.equal(o[mode]["y"], o["serial"]["y"]) and torch.equal(o[mode]["dx"], o["serial"]["dx"])
 
 
 def _assert_passed(overrides, verdicts):

@@ -32,6 +32,8 @@ WORLD2 = [
     {**FRONTIER, **GROUPS, "parallel.pp": 2, "model.first_k_dense": 2},  # a dense stage and a MoE stage
     {**FRONTIER, "parallel.dp": 2, "parallel.ep": 2, "parallel.zero": 3},  # FSDP2: shared experts in the block
     {**FRONTIER, "parallel.dp": 2, "parallel.zero": 2, "parallel.recompute": "selective"},  # ep 1, SAC
+    # the shared expert overlapped with the combine all-to-all under SAC (its output saved, not replayed)
+    {**FRONTIER, "parallel.dp": 2, "parallel.ep": 2, "parallel.recompute": "selective"},
 ]
 WORLD4 = [
     {**FRONTIER, **GROUPS, "parallel.pp": 2, "parallel.dp": 2, "parallel.ep": 2, "train.global_batch": 16},

@@ -17,6 +17,7 @@ exactly the same rule to exactly the same tokens.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -214,16 +215,18 @@ class MoE(nn.Module):
         key = torch.where(r.keep.flatten(), flat_e, E)  # [S]
         order = torch.argsort(key, stable=True)  # [S]: kept slots grouped by expert, then the dropped ones
         counts = _histogram(key, E + 1)[:E]  # [E] kept slots per expert
-        y_sent, n_kept = self._run_experts(xf, order, counts)  # [S_kept, D], rows in `order`
+        # the shared experts see every token, no routing weight (on [B, T, D], the layout tensor_parallel.block_plan
+        # shards it in); they run while the combine all-to-all is in flight (_run_experts)
+        shared = (lambda: self.shared_experts(x).reshape(-1, D)) if self.shared_experts is not None else _nothing
+        y_sent, n_kept, y_shared = self._run_experts(xf, order, counts, shared)  # [S_kept, D] rows in `order`
         order = order[:n_kept]
         self.tokens_per_expert, self.dropped_slots = counts.detach(), flat_e.numel() - n_kept
 
         # Combine: dropped slots contribute 0 (the residual carries the token, Fedus et al. 2021 §2.2).
         y_slots = y_sent.new_zeros(flat_e.numel(), D).index_copy(0, order, y_sent)  # [S, D]
         y = (y_slots.view(-1, K, D) * r.weights.to(y_slots.dtype).unsqueeze(-1)).sum(1)  # [N, D]
-        if self.shared_experts is not None:
-            y = y + self.shared_experts(x).reshape(-1, D)  # [N, D]: every token, no routing weight (on [B, T, D],
-            # the layout tensor_parallel.block_plan shards it in)
+        if y_shared is not None:
+            y = y + y_shared  # [N, D]
         if self.aux_grad_scale is not None and r.aux_loss is not None and torch.is_grad_enabled():
             y = AuxLossBackward.apply(y, r.aux_loss, self.aux_grad_scale)
         return y.view(B, T, D)
@@ -234,9 +237,17 @@ class MoE(nn.Module):
         self.host_syncs += 1
         return recv_counts, torch.cat([counts, recv_counts]).tolist()
 
-    def _run_experts(self, xf: torch.Tensor, order: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, int]:
+    def _run_experts(self, xf: torch.Tensor, order: torch.Tensor, counts: torch.Tensor,
+                     side: Callable[[], Any]) -> tuple[torch.Tensor, int, Any]:
         """xf [N, D] tokens, order [S] slots grouped by global expert id (kept first), counts [E] kept slots per
-        expert -> (expert outputs of the kept slots in `order`'s row order [S_kept, D], S_kept).
+        expert, `side` the computation that needs no expert output (the shared experts) -> (expert outputs of the
+        kept slots in `order`'s row order [S_kept, D], S_kept, side()).
+
+        Overlapped combine: with ep > 1, `side` runs while the combine all-to-all is in flight, and its backward
+        while the combine's transpose is (comms.all_to_all_overlapped; docs/ARCHITECTURE.md#mixture-of-experts).
+        The combine, not the dispatch: both move S_kept x D rows, but `side` after the experts keeps the block's
+        matmul order (the selective policy's saved set, curry_train/sac_rule.py) and its backward before theirs.
+        With ep = 1 `side` runs at the same point, so every layout records the same graph.
 
         The one host read of the layer: the all-to-all needs its split sizes as Python ints, so the send and
         receive counts come back together in a single `.tolist()` (`host_syncs` counts it; the kernels take the
@@ -256,14 +267,19 @@ class MoE(nn.Module):
         self.tokens_received = per_expert_t.detach()
         recv_x = comms.all_to_all(x, out_splits, in_splits, group)  # [R, D] ordered (src, local expert)
         if ep == 1:
-            return self.experts(recv_x, per_expert, per_expert_t), n_kept
+            return self.experts(recv_x, per_expert, per_expert_t), n_kept, side()
         # (src, expert) -> (expert, src) so each expert's rows are contiguous, run, then restore (src, expert).
         R = sum(out_splits)
         local_e = torch.arange(El, device=x.device).repeat(ep).repeat_interleave(recv_counts, output_size=R)
         perm = torch.argsort(local_e, stable=True)  # [R]
         y = self.experts(recv_x[perm], per_expert, per_expert_t)
         y = torch.zeros_like(y).index_copy(0, perm, y)  # [R, D] back in (src, expert) order
-        return comms.all_to_all(y, in_splits, out_splits, group), n_kept  # [S_kept, D]
+        y_sent, done = comms.all_to_all_overlapped(y, in_splits, out_splits, group, side)  # [S_kept, D]
+        return y_sent, n_kept, done
+
+
+def _nothing() -> None:
+    return None
 
 
 def moe_layers(model: nn.Module) -> list[tuple[str, MoE]]:

@@ -12,10 +12,13 @@ Shape legend: S rows sent, R rows received, D feature dims (any trailing shape),
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
+
+T = TypeVar("T")
 
 # torch 2.13 renamed all_gather_into_tensor to all_gather_single (pytorch#186123) and kept the old name as a
 # deprecated alias (FutureWarning); the old spelling (torch >= 1.13) serves an older torch. compat.py keeps the
@@ -55,6 +58,59 @@ def all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], gro
 
     out = torch.ops._c10d_functional.all_to_all_single(x.contiguous(), out_splits, in_splits, group.group_name)
     return torch.ops._c10d_functional.wait_tensor(out)  # [R, D]
+
+
+class _StartAllToAll(torch.autograd.Function):
+    """Forward: issue the exchange and return its output unwaited. Backward: wait for the transposed exchange that
+    _WaitAllToAll.backward issued into `box` (a gradient must have its input's shape, so it travels beside)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, out_splits: list[int], in_splits: list[int], name: str, box: dict):
+        ctx.box = box
+        return torch.ops._c10d_functional.all_to_all_single(x.contiguous(), out_splits, in_splits, name)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        return torch.ops._c10d_functional.wait_tensor(ctx.box.pop("grad")), None, None, None, None
+
+
+class _WaitAllToAll(torch.autograd.Function):
+    """Forward: wait for the exchange _StartAllToAll issued. Backward: issue the transposed exchange of the
+    gradient (the splits swap roles) into `box`, unwaited, and pass the gradient through."""
+
+    @staticmethod
+    def forward(ctx, pending: torch.Tensor, out_splits: list[int], in_splits: list[int], name: str, box: dict):
+        ctx.args, ctx.box = (in_splits, out_splits, name), box
+        return torch.ops._c10d_functional.wait_tensor(pending).view_as(pending)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        ctx.box["grad"] = torch.ops._c10d_functional.all_to_all_single(g.contiguous(), *ctx.args)
+        return g, None, None, None, None
+
+
+def all_to_all_overlapped(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: Any,
+                          work: Callable[[], T]) -> tuple[torch.Tensor, T]:
+    """`all_to_all(x, ...)` with `work()` computed while the exchange is in flight, in forward and in backward ->
+    (the exchanged rows [R, D], work's result). On a size-1 group: (x, work()).
+
+    Forward: the functional all_to_all_single returns before the exchange completes (NCCL runs it on its own
+    stream, gloo on its own thread); `work()` runs, then the wait. Backward: autograd runs ready nodes in
+    decreasing sequence number (the order they were recorded), so work's backward, recorded between the start
+    and the wait, runs after the wait's backward (which issues the transposed exchange) and before the start's
+    (which waits for it): the exchange of the gradient overlaps work's backward. Work must not depend on x and
+    its result must be used after the wait (model/moe.py: the shared expert during the combine, DeepSeek-V2 /
+    V3's shared expert, Megatron-LM's moe_shared_expert_overlap). The op is the same functional all-to-all as
+    `all_to_all`'s, so selective recompute still saves its output (parallel/recompute.py).
+    """
+    if group_size(group) == 1:
+        return x, work()
+    import torch.distributed._functional_collectives  # noqa: F401  registers the ops (and wait_tensor)
+
+    box: dict = {}
+    pending = _StartAllToAll.apply(x, out_splits, in_splits, group.group_name, box)  # [R, D], not yet received
+    done = work()
+    return _WaitAllToAll.apply(pending, out_splits, in_splits, group.group_name, box), done
 
 
 def exchange_counts(counts: torch.Tensor, group: Any) -> torch.Tensor:
