@@ -200,3 +200,49 @@ def test_full_recompute_runs_its_forward_replay_in_the_backward_window():
     full = _fsdp_items(2, t, "full")[0][0].exposed_s
     assert none == pytest.approx(ag / units + k * hide, rel=1e-9)
     assert full == pytest.approx(ag / units + k * hide + (1 - k) * hide - t / 4, rel=1e-9) and full > none
+
+
+# ------------------------------------------------------- EP's combine behind the shared expert (estimator/comm_ep.py)
+
+
+def _ep_items(overrides: dict) -> tuple[list, float, int]:
+    """DeepSeek-V3's EP all-to-alls on its published cluster (EP64 across nodes), the shared expert's forward
+    seconds per MoE block and micro-batch, and the MoE blocks x micro-batches of the busiest pipeline rank."""
+    from curry_train.estimator import comm_ep
+
+    x = layout_of(load_any("deepseek-v3", overrides))
+    hw = get_profile("H800")
+    items = [c for c in comm._comm(x, hw, 1e4) if c.primitive == "ep" and c.collective == "all_to_all"]
+    return items, comm_ep.shared_expert_seconds(x, hw), sum(c.calls for c in items) // (4 + 2 * (
+        x.recompute == "full"))
+
+
+@pytest.mark.parametrize("recompute", ["selective", "full"])
+def test_the_combine_hides_behind_the_shared_expert_only(recompute):
+    """model/moe.py runs the shared expert while the combine all-to-all is in flight, and its backward while the
+    combine's transpose is (tests/parallel/test_expert_parallel.py shows the order): per call hidden = min((1 - k) C,
+    W) with W the shared expert's forward (backward: 2 W), the dispatch and its transpose exposed in full, however
+    much other compute the step has (1e4 s here). Full recompute replays both exchanges, the combine again behind
+    the replayed shared expert. Without the overlap every exchange would be exposed in full."""
+    k = comm.OVERLAP_SLOWDOWN / (1 + comm.OVERLAP_SLOWDOWN)
+    items, w, n = _ep_items({"parallel.recompute": recompute})
+    replay = recompute == "full"
+    by = {c.overlaps: c for c in items}
+    assert sorted(by) == sorted(["none", "shared expert", "shared expert backward"]
+                                + (["shared expert replay"] if replay else []))
+    assert by["none"].calls == (2 + replay) * n and by["none"].exposed_s == by["none"].time_s
+    C = by["shared expert"].time_s / n  # one exchange
+    assert 0 < w < C  # DeepSeek-V3 over 8 nodes: the shared expert hides part of each exchange
+    for words, window in (("shared expert", w), ("shared expert replay", w), ("shared expert backward", 2 * w)):
+        if words in by:
+            assert by[words].calls == n
+            assert by[words].exposed_s == pytest.approx(n * max(k * C, C - window), rel=1e-9)
+    windows = [w, 2 * w] + ([w] if replay else [])
+    hidden = sum(c.time_s - c.exposed_s for c in items)
+    assert hidden == pytest.approx(n * sum(min((1 - k) * C, W) for W in windows), rel=1e-9)
+
+
+def test_without_a_shared_expert_every_exchange_is_exposed():
+    items, w, n = _ep_items({"model.n_shared_experts": 0})
+    assert w == 0 and [c.overlaps for c in items] == ["none"]
+    assert items[0].calls == 6 * n and items[0].exposed_s == items[0].time_s  # full recompute: 4 + 2 replayed

@@ -245,6 +245,29 @@ def test_the_shared_expert_runs_while_the_combine_all_to_all_is_in_flight(ep_che
                                                  "a2a", "wait"]
         for mode in ("none", "selective", "full"):
             assert torch.equal(o[mode]["y"], o["serial"]["y"]) and torch.equal(o[mode]["dx"], o["serial"]["dx"])
+            # the estimator prices exactly these: per block and micro-batch, the exchanges behind the shared
+            # expert and the others (estimator/comm_ep.py)
+            assert _overlapped(o[mode]["ops"]) == _priced(mode), mode
+
+
+def _overlapped(ops: list) -> tuple[int, int]:
+    """(all-to-alls with shared matmuls between their issue and their wait, the others), both passes."""
+    tags = [t for t, _ in ops]
+    hid = [("shared" in tags[i:tags.index("wait", i)]) for i, t in enumerate(tags) if t == "a2a"]
+    return sum(hid), len(hid) - sum(hid)
+
+
+def _priced(recompute: str) -> tuple[int, int]:
+    """comm_ep's all-to-alls per MoE block and micro-batch: (in a shared-expert window, on the critical path)."""
+    from curry_train.estimator import comm_ep, layout_of
+    from curry_train.estimator.profiles import get_profile
+
+    x = layout_of(load_config("configs/tiny-moe.yaml", {"parallel.dp": 2, "parallel.ep": 2, "model.shared_d_ff": FS,
+                                                        "model.n_shared_experts": 1, "parallel.recompute": recompute}))
+    calls: list = []
+    comm_ep.ep_all_to_alls(x, get_profile("H100"), lambda *a, **_: calls.append((a[4], a[6])), "intra", 1)
+    n = x.n_layers * x.n_micro_batches
+    return sum(c for c, w in calls if w) // n, sum(c for c, w in calls if not w) // n
 
 
 def _assert_passed(overrides, verdicts):

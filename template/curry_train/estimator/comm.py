@@ -9,9 +9,10 @@ alpha-beta times per link (intra vs inter node), then the step:
             overlap (FSDP's prefetched all-gathers: the forward's behind the forward, the backward's behind the
             backward; reduce-scatters: backward; DDP's buckets: the last micro-batch's backward; CP's ring: the
             attention blocks), and collectives hiding behind the same compute share that budget: per link,
-            exposed >= (sum of their times) - (the compute they can overlap). TP's, EP's and the pipeline's
-            fill/drain transfers sit on the critical path, and so do FSDP's first gather and last reduce-scatter
-            of each micro-batch (nothing runs before or after them to hide behind).
+            exposed >= (sum of their times) - (the compute they can overlap). TP's, EP's dispatch and the
+            pipeline's fill/drain transfers sit on the critical path, and so do FSDP's first gather and last
+            reduce-scatter of each micro-batch (nothing runs before or after them to hide behind); EP's combine
+            hides behind the shared expert only (estimator/comm_ep.py).
   contention  a hidden collective is not free: its kernels take SMs and HBM bandwidth from the compute it
             overlaps, which runs OVERLAP_SLOWDOWN slower meanwhile (`_expose`).
   step      = pipeline makespan + exposed communication + optimizer step (memory-bound).
@@ -23,7 +24,8 @@ import math
 
 from pydantic import BaseModel, Field
 
-from curry_train.estimator.acts import _acts, _moe_slots
+from curry_train.estimator.acts import _acts
+from curry_train.estimator.comm_ep import SHARED_WINDOWS, ep_all_to_alls
 from curry_train.estimator.compute import block_rates
 from curry_train.estimator.layout import (
     MFU_CONVENTION,
@@ -119,12 +121,13 @@ def _coll_time(hw: HardwareProfile, kind: str, n: int, nbytes: float, calls: int
 
 
 # the compute windows a collective can hide behind; `_WINDOW_SETS` are the groups that must share one window
-# (nested: a collective allowed in a smaller window is also counted against every larger one)
-_WINDOWS = ("bwd_last", "bwd", "fwd_first", "fwd", "attn", "all")
-_WINDOW_SETS = (("bwd_last",), ("bwd_last", "bwd"), ("fwd_first",), ("fwd_first", "fwd"), ("attn",),
-                ("bwd_last", "bwd", "fwd_first", "fwd", "attn", "all"))
+# (nested: a collective allowed in a smaller window is also counted against every larger one; the shared expert's,
+# comm_ep.SHARED_WINDOWS, lie in the forward and the backward: its replay under full recompute in the backward)
+_WINDOW_SETS = (("bwd_last",), ("bwd_last", "shared_bwd", "shared_replay", "bwd"), ("fwd_first",),
+                ("fwd_first", "shared_fwd", "fwd"), ("attn",),
+                ("bwd_last", "shared_bwd", "shared_replay", "bwd", "fwd_first", "shared_fwd", "fwd", "attn", "all"))
 _WINDOW_WORDS = {"bwd_last": "last micro-batch backward", "bwd": "backward", "fwd_first": "first micro-batch forward",
-                 "fwd": "forward", "attn": "attention", "all": "forward+backward", None: "none"}
+                 "fwd": "forward", "attn": "attention", "all": "forward+backward", None: "none", **SHARED_WINDOWS}
 
 
 def _comm(layout: Layout, hw: HardwareProfile, t_compute: float) -> list[CommItem]:
@@ -152,15 +155,14 @@ def _comm(layout: Layout, hw: HardwareProfile, t_compute: float) -> list[CommIte
         # DDP syncs only on the last micro-batch (no_sync before): its buckets overlap that backward
         add("dp", "all_reduce", layout.dpcp, nbytes, calls, dp_link, "bwd_last", rails=dp_rails)
         if layout.num_experts and layout.ep > 1:
-            add("ep", "all_reduce", (layout.dp // layout.ep) * layout.cp, 4 * (st.n_local - st.ddp_buckets // 4), 1,
-                dp_link, None)
+            add("ep", "all_reduce", layout.edp, 4 * (st.n_local - st.ddp_buckets // 4), 1, dp_link, None)
         if layout.zero == 1:  # ZeroRedundancyOptimizer broadcasts every parameter from its owner after the step
             n_tensors = len(_block_tensors(layout)) * layers + 3
             experts = 4 * st.n_local - st.ddp_buckets if layout.num_experts and layout.ep > 1 else 0
             n_exp = 3 * layers if experts else 0  # parallel/zero.py: the expert shards' own ZeRO over edp_cp
             add("zero1", "broadcast", layout.dpcp, 4 * st.n_local - experts, n_tensors - n_exp, dp_link, None,
                 rails=dp_rails)
-            add("zero1", "broadcast", (layout.dp // layout.ep) * layout.cp, experts, n_exp, dp_link, None)
+            add("zero1", "broadcast", layout.edp, experts, n_exp, dp_link, None)
     if layout.fsdp:
         _fsdp(layout, st.all_units, layers, add, st.head_unit, bool(st.embed_unit))
     if layout.tp > 1:
@@ -190,15 +192,12 @@ def _comm(layout: Layout, hw: HardwareProfile, t_compute: float) -> list[CommIte
         bwd = (layout.cp - 1) * kv * cb + layout.cp * kv * 4  # K/V again + the fp32 dK/dV shifts
         add("cp", "p2p", layout.cp, (fwd + bwd) * layers * m, (3 * layout.cp - 2) * layers * m,
             _span_link(layout, layout.cp, layout.tp), "attn", rails=_rails(layout, layout.cp, layout.tp))
-    if layout.num_experts and layout.ep > 1:
-        layers = max(block_kinds(layout, stage_ids(layout, r))[1] for r in range(layout.pp))  # MoE blocks only
-        _, Sk = _moe_slots(layout, layout.moe_tokens)  # TP + EP: this tp rank's T/tp shard only
-        cb = 2 if layout.precision != "fp32" else 4
-        nbytes = 4 * Sk * layout.d_model * cb * layers * m  # dispatch + combine, forward and backward
+    windows: dict[str, float] = {}
+    if layout.num_experts and layout.ep > 1:  # estimator/comm_ep.py: the combine hides behind the shared expert
         stride = 1 if layout.ep_over_tp else layout.cp * layout.tp  # TP + EP: the group takes the tp ranks first
-        add("ep", "all_to_all", layout.ep, nbytes, 4 * layers * m, _span_link(layout, layout.ep, stride), None,
-            rails=_rails(layout, layout.ep, stride))
-    return _expose(entries, t_compute, m, 3 / 4 if layout.recompute == "full" else 2 / 3)
+        windows = ep_all_to_alls(layout, hw, add, _span_link(layout, layout.ep, stride),
+                                 _rails(layout, layout.ep, stride))
+    return _expose(entries, t_compute, m, 3 / 4 if layout.recompute == "full" else 2 / 3, windows)
 
 
 def _fsdp(layout: Layout, units: int, layers: int, add, head: int = 0, embed: bool = True) -> None:
@@ -260,17 +259,20 @@ def _fsdp(layout: Layout, units: int, layers: int, add, head: int = 0, embed: bo
 
 
 def _expose(entries: list[tuple[dict, str | None, float]], t_compute: float, m: int,
-            bwd_share: float = 2 / 3) -> list[CommItem]:
+            bwd_share: float = 2 / 3, windows: dict[str, float] | None = None) -> list[CommItem]:
     """Per link: critical-path collectives are exposed in full; the others share the compute they can hide
     behind. Compute overlapping a collective of time C runs 1 + s slower (OVERLAP_SLOWDOWN), so behind a window
     of W seconds of compute the pair takes max(W + k C, C) with k = s / (1 + s): every hidden collective costs
     k of its time, and a window group costs the largest max(0, (1 - k) (sum of times) - window) over the
     nested groups besides, split over that group's collectives in proportion to their time. `bwd_share`: the
-    backward's part of the compute (2/3; 3/4 under full recompute, whose forward replay runs in backward)."""
+    backward's part of the compute (2/3; 3/4 under full recompute, whose forward replay runs in backward).
+    `windows`: comm_ep's, one collective's each: max(0, (1 - k) C - W) is critical, the rest hides as above."""
     t_bwd = t_compute * bwd_share
     size = {"bwd_last": t_bwd / max(m, 1), "bwd": t_bwd, "fwd_first": (t_compute - t_bwd) / max(m, 1),
             "fwd": t_compute - t_bwd, "attn": 0.3 * t_compute, "all": t_compute}
     k = OVERLAP_SLOWDOWN / (1 + OVERLAP_SLOWDOWN)
+    entries = [(e, w, max(0.0, (1 - k) * e["time_s"] - windows[w]) / ((1 - k) * e["time_s"]))
+               if w in (windows or {}) else (e, w, c) for e, w, c in entries]
     exposed = [e[0]["time_s"] * (e[2] + k * (1 - e[2])) if e[1] else e[0]["time_s"] for e in entries]
     for link in {e[0]["link"] for e in entries}:
         idx = [i for i, e in enumerate(entries) if e[0]["link"] == link and e[1]]
