@@ -56,11 +56,27 @@ MEGATRON = {"--tensor-model-parallel-size", "--pipeline-model-parallel-size", "-
             "--vocab-size", "--make-vocab-size-divisible-by", "--swiglu", "--normalization", "--norm-epsilon",
             "--position-embedding-type", "--rotary-base", "--untie-embeddings-and-output-weights",
             "--disable-bias-linear", "--group-query-attention", "--num-query-groups", "--num-experts",
-            "--moe-router-topk", "--moe-aux-loss-coeff", "--moe-expert-capacity-factor"}
+            "--moe-router-topk", "--moe-aux-loss-coeff", "--moe-expert-capacity-factor",
+            # _add_network_size_args / _add_mla_args (MLATransformerConfig) / _add_moe_args
+            "--multi-latent-attention", "--q-lora-rank", "--kv-lora-rank", "--qk-head-dim", "--qk-pos-emb-head-dim",
+            "--v-head-dim", "--rope-type", "--moe-ffn-hidden-size", "--moe-layer-freq", "--moe-z-loss-coeff",
+            "--moe-shared-expert-intermediate-size", "--moe-shared-expert-overlap", "--moe-token-dispatcher-type",
+            "--moe-router-num-groups", "--moe-router-group-topk"}
 MEGATRON_CHOICES = {"--data-parallel-sharding-strategy": {"no_shard", "optim", "optim_grads", "optim_grads_params"},
+                    "--rope-type": {"rope", "yarn"}, "--moe-token-dispatcher-type": {"allgather", "alltoall", "flex"},
                     "--recompute-granularity": {"full", "selective"}, "--recompute-method": {"uniform", "block"},
                     "--normalization": {"LayerNorm", "RMSNorm"},
                     "--position-embedding-type": {"learned_absolute", "rope", "mrope", "relative", "none"}}
+# torchtitan v0.2.2: DeepSeekV3ModelArgs (torchtitan/models/deepseek_v3/model/args.py) and MoEArgs
+# (torchtitan/models/moe/moe.py) fields, the model arguments of its one model with MLA
+TORCHTITAN_DSV3 = {"max_batch_size", "max_seq_len", "vocab_size", "dim", "inter_dim", "moe_inter_dim", "n_layers",
+                   "n_dense_layers", "n_heads", "norm_eps", "moe_args", "expert_parallel_comm_backend",
+                   "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "attn_type",
+                   "attn_mask_type", "original_seq_len", "rope_theta", "rope_factor", "beta_fast", "beta_slow",
+                   "mscale"}
+TORCHTITAN_MOE = {"num_experts", "num_shared_experts", "score_func", "route_norm", "route_scale", "gate_bias",
+                  "score_before_experts", "top_k", "num_expert_groups", "num_limited_groups", "use_grouped_mm",
+                  "load_balance_coeff"}
 # DeepSpeed 0.19.8: deepspeed/runtime/constants.py (top level) and deepspeed/runtime/zero/config.py,
 # offload_config.py (DeepSpeedZeroConfig, DeepSpeedZeroOffloadOptimizerConfig / ParamConfig fields).
 DEEPSPEED_TOP = {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "bf16",
@@ -223,3 +239,72 @@ def test_accelerate_cluster_config_and_launch_parser_accept_the_export(project, 
         doc = _parsed(e)
         argv = [f"--{k}={v}" for sec in ("fsdp_config", "parallelism_config") for k, v in doc.get(sec, {}).items()]
         launch_command_parser().parse_args([*argv, "train.py"])  # an unknown --fsdp_* argument exits
+
+
+# ------------------------------------------------------------------ MLA and DeepSeekMoE (configs/deepseek-v3.yaml)
+
+
+def _call_kwargs(src: str, name: str) -> dict:
+    """The keyword arguments of the call `name(...)` in `src` as Python values (nested calls as their kwargs)."""
+    import ast
+
+    def value(node):
+        if isinstance(node, ast.Call):
+            return {"": node.func.id, **{k.arg: value(k.value) for k in node.keywords}}
+        return ast.literal_eval(node)
+
+    call = next(n for n in ast.walk(ast.parse(src)) if isinstance(n, ast.Call) and getattr(n.func, "id", "") == name)
+    return value(call)
+
+
+def test_mla_and_deepseek_moe_reach_megatron_and_torchtitan_by_their_own_names(project):
+    """DeepSeek-V3's published run: MLA's ranks and head dims, the dense first blocks, the shared expert and the
+    node-limited routing, each as the flag (Megatron-LM core_v0.15.0 arguments.py) or model argument (torchtitan
+    v0.2.2 deepseek_v3) that builds it; the template's plain RoPE, not the YaRN both default MLA to."""
+    meg = export_layout("deepseek-v3", "megatron", root=project)
+    argv = _argv(meg.text)
+    assert set(_flags(meg.text)) <= MEGATRON, set(_flags(meg.text)) - MEGATRON
+    val = {f: argv[i + 1] for i, f in enumerate(argv[:-1]) if f.startswith("--") and not argv[i + 1].startswith("--")}
+    assert {"--multi-latent-attention", "--moe-shared-expert-overlap"} <= set(argv)  # EP64: overlapped combine
+    assert {k: val[k] for k in ("--q-lora-rank", "--kv-lora-rank", "--qk-head-dim", "--qk-pos-emb-head-dim",
+                                "--v-head-dim", "--rope-type", "--ffn-hidden-size", "--moe-ffn-hidden-size",
+                                "--moe-layer-freq", "--moe-shared-expert-intermediate-size",
+                                "--moe-router-num-groups", "--moe-router-group-topk",
+                                "--moe-token-dispatcher-type")} == {
+        "--q-lora-rank": "1536", "--kv-lora-rank": "512", "--qk-head-dim": "128", "--qk-pos-emb-head-dim": "64",
+        "--v-head-dim": "128", "--rope-type": "rope", "--ffn-hidden-size": "18432", "--moe-ffn-hidden-size": "2048",
+        "--moe-layer-freq": "([0]*3+[1]*58)", "--moe-shared-expert-intermediate-size": "2048",
+        "--moe-router-num-groups": "8", "--moe-router-group-topk": "4", "--moe-token-dispatcher-type": "alltoall"}
+    for flag, choices in MEGATRON_CHOICES.items():
+        if flag in val:
+            assert val[flag] in choices, flag
+    assert "--group-query-attention" not in argv  # MLA has a K/V head per query head
+    tt = export_layout("deepseek-v3", "torchtitan", root=project)
+    doc = _parsed(tt)
+    assert doc["model"] == {"name": "deepseek_v3", "flavor": "custom"}
+    assert doc["parallelism"]["expert_parallel_degree"] == 64
+    args = _call_kwargs(next(ln[2:] for ln in tt.text.splitlines() if ln.startswith("# DeepSeekV3ModelArgs(")),
+                        "DeepSeekV3ModelArgs")
+    moe = args.pop("moe_args")
+    assert args.pop("") == "DeepSeekV3ModelArgs" and moe.pop("") == "MoEArgs"
+    assert set(args) <= TORCHTITAN_DSV3 and set(moe) <= TORCHTITAN_MOE
+    assert {k: args[k] for k in ("dim", "inter_dim", "moe_inter_dim", "n_layers", "n_dense_layers", "n_heads",
+                                 "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                                 "v_head_dim")} == {
+        "dim": 7168, "inter_dim": 18432, "moe_inter_dim": 2048, "n_layers": 61, "n_dense_layers": 3, "n_heads": 128,
+        "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128}
+    assert args["original_seq_len"] == args["max_seq_len"] == 4096  # no YaRN
+    assert moe == {"num_experts": 256, "num_shared_experts": 1, "top_k": 8, "score_func": "softmax",
+                   "route_norm": True, "score_before_experts": False, "load_balance_coeff": None,
+                   "num_expert_groups": 8, "num_limited_groups": 4}
+
+
+def test_a_dense_mla_model_without_a_query_latent(project):
+    """tiny-mla with q_lora_rank 0: Megatron gets no --q-lora-rank (its None: queries without a latent);
+    torchtitan's deepseek_v3 gets every layer dense."""
+    argv = _argv(export_layout("tiny-mla", "megatron", {"model.q_lora_rank": 0}, root=project).text)
+    assert "--multi-latent-attention" in argv and "--q-lora-rank" not in argv and "--num-experts" not in argv
+    tt = export_layout("tiny-mla", "torchtitan", {"model.q_lora_rank": 0}, root=project)
+    args = _call_kwargs(next(ln[2:] for ln in tt.text.splitlines() if ln.startswith("# DeepSeekV3ModelArgs(")),
+                        "DeepSeekV3ModelArgs")
+    assert args["n_dense_layers"] == args["n_layers"] == 4 and args["q_lora_rank"] == 0

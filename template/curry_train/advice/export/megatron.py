@@ -15,28 +15,56 @@ import shlex
 from curry_train.advice.export.common import Rendered, dp_shard_group
 from curry_train.config import Config
 from curry_train.estimator import Estimate
+from curry_train.moe_blocks import dense_width, shared_width
 
 STRATEGY = {2: "optim_grads", 3: "optim_grads_params"}
 
 
-def _model_args(cfg: Config) -> list[str]:
+def _model_args(cfg: Config, gaps: list[str]) -> list[str]:
     """The model's shape; --vocab-size is V - 1 because NullTokenizer adds its end-of-document id on top
-    (megatron/training/tokenizer/tokenizer.py, _NullTokenizer.vocab_size), and divisible-by 1 keeps it V."""
+    (megatron/training/tokenizer/tokenizer.py, _NullTokenizer.vocab_size), and divisible-by 1 keeps it V.
+    --ffn-hidden-size is the dense blocks' width (a MoE model's first_k_dense blocks), --moe-ffn-hidden-size
+    the experts'."""
     m, t = cfg.model, cfg.train
-    args = ["--num-layers", m.n_layers, "--hidden-size", m.d_model, "--ffn-hidden-size", m.d_ff,
+    args = ["--num-layers", m.n_layers, "--hidden-size", m.d_model, "--ffn-hidden-size", dense_width(m),
             "--num-attention-heads", m.n_heads, "--seq-length", t.seq_len, "--max-position-embeddings",
             t.seq_len, "--tokenizer-type", "NullTokenizer", "--vocab-size", m.vocab_size - 1,
             "--make-vocab-size-divisible-by", 1, "--swiglu",
             "--normalization", "RMSNorm", "--norm-epsilon", m.norm_eps, "--position-embedding-type", "rope",
             "--rotary-base", int(m.rope_theta) if float(m.rope_theta).is_integer() else m.rope_theta,
             "--untie-embeddings-and-output-weights", "--disable-bias-linear"]
-    if m.n_kv_heads != m.n_heads:
+    if m.attention == "mla":
+        # MLATransformerConfig (arguments.py _add_mla_args): --qk-head-dim is the per-head dims without RoPE,
+        # --qk-pos-emb-head-dim the rotary ones; no --q-lora-rank = queries without a latent (q_lora_rank 0).
+        # Megatron's MLA defaults to YaRN RoPE (--rope-type yarn); model/mla.py applies plain RoPE.
+        args += ["--multi-latent-attention", "--kv-lora-rank", m.kv_lora_rank, "--qk-head-dim", m.qk_nope_head_dim,
+                 "--qk-pos-emb-head-dim", m.qk_rope_head_dim, "--v-head-dim", m.v_head_dim, "--rope-type", "rope"]
+        if m.q_lora_rank:
+            args += ["--q-lora-rank", m.q_lora_rank]
+    elif m.n_kv_heads != m.n_heads:
         args += ["--group-query-attention", "--num-query-groups", m.n_kv_heads]
     if m.num_experts:
-        args += ["--num-experts", m.num_experts, "--moe-router-topk", m.top_k, "--moe-aux-loss-coeff",
-                 m.aux_loss_coef]
+        # the template dispatches with two all-to-alls (parallel/expert_parallel.py): Megatron's alltoall
+        args += ["--num-experts", m.num_experts, "--moe-ffn-hidden-size", m.d_ff, "--moe-router-topk", m.top_k,
+                 "--moe-aux-loss-coeff", m.aux_loss_coef, "--moe-token-dispatcher-type", "alltoall"]
         if m.capacity_factor > 0:
             args += ["--moe-expert-capacity-factor", m.capacity_factor]
+        if m.z_loss_coef > 0:
+            args += ["--moe-z-loss-coeff", m.z_loss_coef]
+        if m.first_k_dense:
+            args += ["--moe-layer-freq", f"([0]*{m.first_k_dense}+[1]*{m.n_layers - m.first_k_dense})"]
+        if shared_width(m):
+            args += ["--moe-shared-expert-intermediate-size", shared_width(m)]
+            if cfg.parallel.ep > 1:  # model/moe.py runs the shared expert while the combine all-to-all is in flight
+                args.append("--moe-shared-expert-overlap")
+        if m.route_groups > 1:
+            args += ["--moe-router-num-groups", m.route_groups, "--moe-router-group-topk", m.route_top_groups]
+            if 2 * m.route_top_groups != m.top_k:
+                gaps.append(f"route_groups: Megatron scores a group by its top top_k / group_topk = "
+                            f"{m.top_k // m.route_top_groups} scores, this template by its top 2 (DeepSeek-V3's)")
+            gaps.append("route_groups: Megatron's default routing scores the groups on the router logits (on "
+                        "probabilities with --moe-router-pre-softmax, whose gates it does not renormalise); this "
+                        "template on the softmax probabilities, with renormalised gates: a token's groups can differ")
     return [str(a) for a in args]
 
 
@@ -87,7 +115,7 @@ def render(cfg: Config, est: Estimate) -> Rendered:
                     "2022 §4.2) with its own kernels; this template's op-level policy keeps the matmul outputs")
     if t.lr_schedule == "cosine":
         args += ["--lr-decay-style", "cosine", "--min-lr", t.lr / 10, "--lr-warmup-iters", t.warmup_steps]
-    args = [str(a) for a in args] + _model_args(cfg)
+    args = [str(a) for a in args] + _model_args(cfg, gaps)
     lines, i = [], 0
     while i < len(args):  # one flag per line, with its value
         take = 2 if i + 1 < len(args) and not args[i + 1].startswith("--") else 1

@@ -15,6 +15,7 @@ from curry_train.advice.beyond import FULL_ADAMW_B  # this template's AdamW mode
 from curry_train.advice.export.common import Rendered, dp_shard_group, toml_text
 from curry_train.config import Config
 from curry_train.estimator import Estimate
+from curry_train.moe_blocks import dense_width, shared_width
 from curry_train.pipeline_split import split_for, stage_layer_range
 
 SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved_1f1b": "Interleaved1F1B"}  # torch's schedule names
@@ -34,11 +35,43 @@ def _stage_fqns(cfg: Config) -> list[list[str]]:
     return parts
 
 
+def deepseek_v3_args(cfg: Config, gaps: list[str]) -> str:
+    """This MLA model as torchtitan's deepseek_v3 model arguments (v0.2.2: DeepSeekV3ModelArgs in
+    torchtitan/models/deepseek_v3/model/args.py, MoEArgs in torchtitan/models/moe/moe.py), the one torchtitan
+    model with MLA. Its router as this template's: softmax over the experts, top-k, gates renormalised (route_norm)
+    and applied to the expert outputs (score_before_experts false), groups scored by their top-2 probabilities.
+    original_seq_len = the sequence length turns YaRN off (model/mla.py applies plain RoPE). A dense model is all
+    dense layers (n_dense_layers = n_layers)."""
+    m, E = cfg.model, cfg.model.num_experts
+    moe = (f"MoEArgs(num_experts={E}, num_shared_experts={m.n_shared_experts}, top_k={m.top_k}, "
+           f'score_func="softmax", route_norm=True, score_before_experts=False, load_balance_coeff=None'
+           + (f", num_expert_groups={m.route_groups}, num_limited_groups={m.route_top_groups}"
+              if m.route_groups > 1 else "") + ")") if E else "MoEArgs()"
+    if E and (m.aux_loss_coef > 0 or m.z_loss_coef > 0):
+        gaps.append("aux_loss_coef / z_loss_coef: torchtitan's MoE has no router loss (its load_balance_coeff is "
+                    "DeepSeek-V3's bias balancing, left off here)")
+    if E and m.capacity_factor > 0:
+        gaps.append("capacity_factor: torchtitan's token-choice routing drops no token")
+    if E and shared_width(m) != m.n_shared_experts * m.d_ff:
+        gaps.append(f"shared_d_ff={m.shared_d_ff}: torchtitan's shared experts are num_shared_experts x "
+                    "moe_inter_dim wide")
+    return (f"DeepSeekV3ModelArgs(vocab_size={m.vocab_size}, dim={m.d_model}, inter_dim={dense_width(m)}, "
+            f"moe_inter_dim={m.d_ff}, n_layers={m.n_layers}, n_dense_layers={m.first_k_dense if E else m.n_layers}, "
+            f"n_heads={m.n_heads}, norm_eps={m.norm_eps}, moe_args={moe}, q_lora_rank={m.q_lora_rank}, "
+            f"kv_lora_rank={m.kv_lora_rank}, qk_nope_head_dim={m.qk_nope_head_dim}, "
+            f"qk_rope_head_dim={m.qk_rope_head_dim}, v_head_dim={m.v_head_dim}, rope_theta={m.rope_theta}, "
+            f"max_seq_len={cfg.train.seq_len}, original_seq_len={cfg.train.seq_len})")
+
+
 def render(cfg: Config, est: Estimate) -> Rendered:
     p, t, m = cfg.parallel, cfg.train, cfg.model
     gaps: list[str] = []
     flavor = FLAVORS.get((m.d_model, m.n_layers, m.n_heads, m.n_kv_heads, m.d_ff, m.vocab_size))
-    if flavor is None or m.num_experts:
+    mla = deepseek_v3_args(cfg, gaps) if m.attention == "mla" else ""
+    if mla:
+        gaps.append("[model] flavor: register flavor 'custom' in torchtitan/models/deepseek_v3/__init__.py "
+                    f"deepseekv3_args as {mla} (also in the file's header)")
+    elif flavor is None or m.num_experts:
         gaps.append("[model] flavor: torchtitan builds a model from a registered flavor (model name + flavor); "
                     "no llama3 flavor has these dims, so register one with them (the file names 'custom')")
     par: dict = {"data_parallel_replicate_degree": p.dp if p.zero == 0 else p.dp_replicate,
@@ -80,10 +113,11 @@ def render(cfg: Config, est: Estimate) -> Rendered:
                 "activation_checkpoint": {"mode": p.recompute, **({"selective_ac_option": "op"}
                                                                    if p.recompute == "selective" else {})},
                 "compile": {"enable": False}}
-    if m.num_experts:
-        sections["model"]["name"] = "custom"
+    if m.num_experts or mla:
+        sections["model"]["name"] = "deepseek_v3" if mla else "custom"
     header = (f"torchtitan job config (v0.2.x TOML; 0.3: the same keys as --<section>.<key> overrides),\n"
-              f"exported by curry-train from this layout: {p.model_dump()}")
+              f"exported by curry-train from this layout: {p.model_dump()}"
+              + (f"\nflavor 'custom' of deepseek_v3 (models/deepseek_v3/__init__.py):\n{mla}" if mla else ""))
     return Rendered(format="toml", filename="torchtitan.toml", text=toml_text(sections, header),
                     bytes_per_param=FULL_ADAMW_B / max(dp_shard_group(cfg), 1) if p.zero >= 1 else FULL_ADAMW_B,
                     source="FSDP2 with bf16 compute: fp32 params 4 + grads 4 + AdamW 8, over the shard group",
