@@ -95,6 +95,19 @@ def _ep_checks(rank: int, world: int) -> dict:
         out[f"rc_{mode}"] = {"fwd": c.fwd, "bwd": c.bwd, "host_syncs": ep.host_syncs,
                              "y": yr.detach(), "dx": xr.grad}
     out["overlap"] = _overlap_checks(rank, xs, dy)
+
+    # 4. The router under TP + EP (its tp_group: both ranks route their own tokens with one weight): the
+    #    all-reduces it runs per forward and backward, per recompute mode (replays included)
+    cfg = load_config("configs/tiny-moe.yaml", {"parallel.tp": 2, "parallel.sp": True, "parallel.ep": 2,
+                                                "model.z_loss_coef": 1e-3})
+    moe = MoE(cfg.model)
+    init_weights(moe, cfg.model, 0)
+    moe.router.tp_group = dist.group.WORLD
+    for mode in ("none", "selective", "full"):
+        layer = checkpointed(moe.forward, mode) if mode != "none" else moe.forward
+        with _Collectives(("c10d.allreduce_",)) as c:
+            (layer(xs.clone().requires_grad_()) * dy).sum().backward()
+        out[f"router_{mode}"] = c.fwd + c.bwd
     return out
 
 
@@ -177,9 +190,10 @@ class _Collectives(TorchDispatchMode):
 
     OPS = ("_c10d_functional.all_to_all_single", "c10d.alltoall_base_", "c10d.alltoall_")
 
-    def __init__(self):
+    def __init__(self, ops: tuple[str, ...] = OPS):
         super().__init__()
         self.fwd = self.bwd = 0
+        self.OPS = ops
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func.name().replace("::", ".") in self.OPS:
@@ -248,6 +262,21 @@ def test_the_shared_expert_runs_while_the_combine_all_to_all_is_in_flight(ep_che
             # the estimator prices exactly these: per block and micro-batch, the exchanges behind the shared
             # expert and the others (estimator/comm_ep.py)
             assert _overlapped(o[mode]["ops"]) == _priced(mode), mode
+
+
+def test_the_estimator_prices_the_routers_all_reduces_over_tp(ep_checks):
+    """TP + EP: the router sums its slot counts and its loss value over tp in forward (again when recompute
+    replays the forward) and its gate's gradient in backward; estimator/comm_ep.py prices each of them per MoE
+    block and micro-batch."""
+    from curry_train.estimator import comm_ep, layout_of
+
+    for mode in ("none", "selective", "full"):
+        x = layout_of(load_config("configs/tiny-moe.yaml", {"parallel.tp": 2, "parallel.sp": True, "parallel.ep": 2,
+                                                            "model.z_loss_coef": 1e-3, "parallel.recompute": mode}))
+        calls: list = []
+        comm_ep._router_tp(x, lambda *a, **_: calls.append(a[4]), 1)
+        assert all(r[f"router_{mode}"] == sum(calls) for r in ep_checks), mode
+        assert sum(calls) == (3 if mode == "none" else 5)  # counts and loss value (twice with a replay), gradient
 
 
 def _overlapped(ops: list) -> tuple[int, int]:

@@ -3,8 +3,9 @@ estimator terms.
 
     .venv/bin/pytest tests/parallel/test_mla.py -q -n 0
 
-Every parallel path (DDP, ZeRO-3/FSDP2, TP2 with and without SP, PP2, selective and full recompute) through the
-white-box harness in one forkserver launch of 4 CPU ranks, at validation/whitebox.py's fixed fp32 tolerances.
+Every parallel path (DDP, ZeRO-3/FSDP2, TP2 with and without SP, PP2, selective and full recompute, and with
+DeepSeekMoE blocks EP2 under ZeRO-1 and under TP2 + ZeRO-3) through the white-box harness in one forkserver launch
+of 4 CPU ranks, at validation/whitebox.py's fixed fp32 tolerances.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ pytestmark = pytest.mark.timeout(900)
 MLA = PRESETS / "tiny-mla.yaml"
 TINY = PRESETS / "tiny.yaml"
 
+MOE = {"model.num_experts": 4, "model.n_shared_experts": 1, "model.first_k_dense": 1, "model.dense_d_ff": 96}
 WORLD4 = [
     {"parallel.dp": 4, "parallel.zero": 3},  # FSDP2: latents and up-projections sharded in the block's unit
     {"parallel.dp": 2, "parallel.tp": 2, "parallel.zero": 3},  # TP2 (heads) x FSDP
@@ -32,6 +34,10 @@ WORLD4 = [
     {"parallel.dp": 4, "parallel.zero": 2, "parallel.recompute": "selective"},  # SAC over MLA's matmuls
     {"parallel.dp": 2, "parallel.tp": 2, "parallel.zero": 3, "parallel.recompute": "full",
      "model.q_lora_rank": 0},  # queries without a latent (wq), TP + full recompute
+    # DeepSeek-V3's blocks: MLA + DeepSeekMoE (a shared expert overlapping the combine, a dense first block) under
+    # EP2, with its published ZeRO-1 (and SAC over MLA's, the experts' and the shared expert's matmuls) ...
+    {**MOE, "parallel.dp": 4, "parallel.ep": 2, "parallel.zero": 1, "parallel.recompute": "selective"},
+    {**MOE, "parallel.dp": 2, "parallel.tp": 2, "parallel.sp": True, "parallel.ep": 2, "parallel.zero": 3},  # TP+EP
 ]
 
 

@@ -24,7 +24,6 @@ from curry_train.rules import (
     ep_allowed,
     pp_allowed,
     pp_sizes,
-    tp_allowed,
 )
 
 Primitive = Literal["none", "recompute", "zero", "zero1", "zero2", "zero3", "hsdp", "tp", "pp", "ep", "cp", "dp",
@@ -269,10 +268,8 @@ def oom(c: Ctx) -> Decision:
             patch, e = got
             return c.took("ep", "ep", patch, e, per_rank=m.num_experts // patch["parallel.ep"])
     tp_pick = None
-    if tp_allowed(m) and p.tp < h.gpus_per_node:
+    if p.tp < h.gpus_per_node:
         tp_pick = c.first_fit("tp", _tp_patches(cfg))
-    elif not tp_allowed(m):
-        c.reject("tp_moe")
     else:
         c.reject("tp_node_size", tp=p.tp)
     picks = [(k, g) for k, g in (("cp", cp_pick), ("tp", tp_pick)) if g is not None]

@@ -25,7 +25,7 @@ from typing import Any
 from curry_train.advice.decide import Alt, Ctx, Decision, _pp_patches, _tp_patches, dp_sizes, oom
 from curry_train.config import Config, from_dict
 from curry_train.estimator import Estimate
-from curry_train.rules import WITHIN, anti_patterns, ep_allowed, hsdp_replicas, pp_allowed, tp_allowed
+from curry_train.rules import WITHIN, anti_patterns, ep_allowed, hsdp_replicas, pp_allowed
 
 WEIGHT = {"dp": 0, "micro_batch": 0, "zero": 1, "hsdp": 1, "recompute": 2, "tp": 3, "pp": 4, "ep": 5, "cp": 6,
           "plan": 7}  # the planner's layout may change several primitives at once: the heaviest change
@@ -129,7 +129,7 @@ def slow(c: Ctx) -> Decision:
         options.append(("micro_batch", f"double micro_batch to {2 * t.micro_batch} ({m // 2} micro-batches: half "
                         "the per-micro-batch collectives)", {"train.micro_batch": 2 * t.micro_batch}))
     dp_comm = sum(comm.get(k, 0.0) for k in DP_COMM)
-    if tp_allowed(cfg.model) and p.zero == 3 and dp_comm > 0.5 * st.comm_exposed_s > 0:
+    if p.zero == 3 and dp_comm > 0.5 * st.comm_exposed_s > 0:
         for patch in _tp_patches(cfg):
             options.append(("tp", f"tp {patch['parallel.tp']} inside the node (data-parallel communication "
                             f"{dp_comm:.3g} s dominates)", patch))

@@ -87,8 +87,6 @@ _REJECTED: dict[str, Callable[[dict[str, Any]], str]] = {
     "cp_vs_tp": lambda f: (f"{f['other']} {f['other_patch']}: {_gib(f['other_total'])}"
                            f"{'' if f['other_fits'] else ' (over)'}, {f['other_step']:.3g} s per step against "
                            f"{f['step']:.3g} s with {f['chosen']}"),
-    "tp_moe": lambda f: "tp: on a MoE model the TP plan splits attention only (experts are replicated over tp); "
-                        "shard the experts with ep instead",
     "tp_node_size": lambda f: f"tp: already {f['tp']} = GPUs per node; TP across nodes is ~43% slower (Playbook)",
     "pp_one_node": lambda f: "pp: one node; PP's bubble is rarely worth it where the node's fast link carries TP "
                              "+ FSDP",

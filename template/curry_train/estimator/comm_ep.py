@@ -1,4 +1,5 @@
-"""Expert parallel's all-to-alls for the step-time model (estimator/comm.py), with the overlap model/moe.py runs.
+"""Expert parallel's collectives for the step-time model (estimator/comm.py): the all-to-alls, with the overlap
+model/moe.py runs, and under TP + EP the router's all-reduces over tp.
 
     .venv/bin/python -m pytest tests/test_cost_terms.py -q -k shared_expert
 
@@ -54,6 +55,7 @@ def ep_all_to_alls(layout: Layout, hw: HardwareProfile, add: Callable[..., None]
     cb = 2 if layout.precision != "fp32" else 4
     one = Sk * layout.d_model * cb * layers * m  # one exchange of every MoE block of every micro-batch
     replay = int(layout.recompute == "full")
+    _router_tp(layout, add, layers * m)
     shared = shared_expert_seconds(layout, hw) * layers * m
     if not shared:  # every exchange on the critical path
         add("ep", "all_to_all", layout.ep, one * (4 + 2 * replay), (4 + 2 * replay) * layers * m, link, None,
@@ -63,3 +65,17 @@ def ep_all_to_alls(layout: Layout, hw: HardwareProfile, add: Callable[..., None]
     for calls, window in ((1, "shared_fwd"), (replay, "shared_replay"), (1, "shared_bwd")):
         add("ep", "all_to_all", layout.ep, one * calls, calls * layers * m, link, window, rails=rails)
     return dict(zip(SHARED_WINDOWS, (shared, shared, 2 * shared)))
+
+
+def _router_tp(layout: Layout, add: Callable[..., None], blocks: int) -> None:
+    """TP + EP (model/moe.py TopKRouter.tp_group): in each MoE block's forward the router sums its slot counts [E]
+    (the load-balance loss) and its loss value (comms.group_mean_value) over tp, in its backward the gate's
+    gradient [E, D] (comms.sum_grad_over, Megatron's f), `blocks` times per step: small and synchronous, on the
+    critical path. Recompute replays the forward ones (the router runs again; neither is an op SAC saves)."""
+    if not (layout.num_experts and layout.ep_over_tp):
+        return
+    E, gb = layout.num_experts, 2 if layout.precision == "mp" else 4  # the gate weight's (FSDP's bf16 copy)
+    runs = 1 + int(layout.recompute != "none")
+    fwd = [n for n, on in ((4 * E, layout.has_aux_loss), (4, layout.has_aux_loss or layout.has_z_loss)) if on]
+    add("tp", "all_reduce", layout.tp, sum(fwd) * runs * blocks, len(fwd) * runs * blocks, "intra", None)
+    add("tp", "all_reduce", layout.tp, E * layout.d_model * gb * blocks, blocks, "intra", None)

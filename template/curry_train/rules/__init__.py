@@ -6,7 +6,7 @@ print(anti_patterns(Config.model_validate({'parallel': {'pp': 2, 'dp': 1}})))"
   validity.py   check: which layouts may launch (config.check / validate_config refuse a launch on any problem,
                 before a process starts; the planner's enumeration uses it as its validity filter), divisors,
                 vocab_pad_hint.
-  gates.py      cp_has_proven_need, pp_allowed, tp_allowed, ep_allowed (advice/decide.py never proposes CP
+  gates.py      cp_has_proven_need, pp_allowed, ep_allowed (advice/decide.py never proposes CP
                 without proven need, PP on one node, EP on a dense model), ep_spans_tp / ep_domain (EP over
                 dp x tp under TP) and the sizes
                 the planner searches: tp_sizes, pp_sizes, hsdp_replicas, cp_sizes.
@@ -33,7 +33,6 @@ from curry_train.rules.gates import (
     hsdp_replicas,
     pp_allowed,
     pp_sizes,
-    tp_allowed,
     tp_blocked_by_vocab,
     tp_sizes,
 )
@@ -43,4 +42,4 @@ from curry_train.rules.validity import Problem, check, compile_blockers, divisor
 __all__ = ["ACT_SHARE_FOR_CP", "ANTI_PATTERN_RULES", "LONG_CONTEXT", "WITHIN", "AntiPattern", "AntiPatternRule",
            "Problem", "RuleContext", "anti_patterns", "check", "compile_blockers", "cp_has_proven_need", "cp_sizes",
            "divisors", "ep_allowed", "ep_domain", "ep_spans_tp", "hsdp_replicas", "pp_allowed", "pp_sizes",
-           "tp_allowed", "tp_blocked_by_vocab", "tp_choices", "tp_sizes", "vocab_pad_hint"]
+           "tp_blocked_by_vocab", "tp_choices", "tp_sizes", "vocab_pad_hint"]

@@ -34,12 +34,6 @@ def pp_allowed(nodes: int) -> bool:
     return nodes > 1
 
 
-def tp_allowed(model: ModelConfig) -> bool:
-    """TP on any model: on a MoE model attention, dense blocks and shared experts are tensor-parallel and the
-    experts expert-parallel over dp x tp (ep_spans_tp), with sequence parallel on."""
-    return True
-
-
 def ep_domain(dp: int, tp: int, ep: int, num_experts: int = 1) -> int:
     """The ranks an EP group is carved from (each holding distinct tokens): dp x tp when ep_spans_tp, else dp."""
     return dp * tp if ep_spans_tp(num_experts, tp, ep) else dp
@@ -53,9 +47,8 @@ def ep_allowed(model: ModelConfig) -> bool:
 def tp_sizes(model: ModelConfig, gpus_per_node: int) -> list[int]:
     """TP sizes the planner searches: every divisor of gpus_per_node (a TP group never straddles two nodes) that
     divides the heads, the kv heads, d_ff and the vocabulary (`tp_blocked_by_vocab` names the ones only the
-    vocabulary blocks, for the padding hint)."""
-    if not tp_allowed(model):
-        return [1]
+    vocabulary blocks, for the padding hint). Any model: on a MoE model attention, dense blocks and shared
+    experts are tensor-parallel and the experts expert-parallel over dp x tp (ep_spans_tp), with SP on."""
     return [k for k in divisors(gpus_per_node)
             if k == 1 or all(val % k == 0 for val in (model.n_heads, model.n_kv_heads, model.vocab_size,
                                                      *(w for _, w in tp_split_widths(model))))]
@@ -63,8 +56,6 @@ def tp_sizes(model: ModelConfig, gpus_per_node: int) -> list[int]:
 
 def tp_blocked_by_vocab(model: ModelConfig, gpus_per_node: int) -> list[int]:
     """TP sizes inside a node that only the vocabulary's divisibility blocks (pad it: `vocab_pad_hint`)."""
-    if not tp_allowed(model):
-        return []
     return [k for k in divisors(gpus_per_node) if k > 1 and model.vocab_size % k
             and all(val % k == 0 for val in (model.n_heads, model.n_kv_heads,
                                              *(w for _, w in tp_split_widths(model))))]
