@@ -114,6 +114,13 @@ MATRIX: dict[str, dict[str, Any]] = {
     "moe-front-tp2-ep2": {**_FRONT, "parallel.tp": 2, "parallel.sp": True, "parallel.ep": 2},
     "moe-front-tp2-ep4-zero3": {**_FRONT, "parallel.dp": 2, "parallel.tp": 2, "parallel.sp": True, "parallel.ep": 4,
                                 "parallel.zero": 3},
+    # EP over the tp pair, the experts' units over the dp pair: FSDP2 prefetches the experts' unit during the
+    # block's dense part and the previous block's dense part during the experts (estimator/phases.py)
+    "moe-front-tp2-ep2-zero3": {**_FRONT, "parallel.dp": 2, "parallel.tp": 2, "parallel.sp": True, "parallel.ep": 2,
+                                "parallel.zero": 3},
+    # ZeRO-1 under TP: FSDP2 holding the step, the experts in their own units (wrapping.py)
+    "moe-front-tp2-ep2-zero1": {**_FRONT, "parallel.dp": 2, "parallel.tp": 2, "parallel.sp": True, "parallel.ep": 2,
+                                "parallel.zero": 1},
     # vocab-heavy (V = 64 D, as llama3-8b's V = 31 D): the LM head and the chunked loss (train.loss_chunks,
     # 0 = auto = 64 chunks here) dominate the activations; tiny's V = 256 hides them
     "vocab-single": {"model.vocab_size": 4096},

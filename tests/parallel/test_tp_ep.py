@@ -31,7 +31,13 @@ WORLD4 = [
     {**TPEP, "parallel.pp": 2},  # a dense + MoE stage, then a MoE stage, each TP2 + EP2
     {**TPEP, "parallel.dp": 2, "parallel.zero": 3, "parallel.recompute": "selective", "model.z_loss_coef": 1e-3},
     {**TPEP, "parallel.dp": 2, "parallel.zero": 3, "parallel.ep": 1},  # ep 1: the sequence gathered, shared TP
+    # ZeRO-1 under TP: FSDP2 holding the step (wrapping.py), the experts in their own units over edp (selective
+    # recompute: the held units and the saved all-to-alls), and EP over all four ranks
+    {**TPEP, "parallel.dp": 2, "parallel.zero": 1, "parallel.recompute": "selective"},
+    {**TPEP, "parallel.dp": 2, "parallel.zero": 1, "parallel.ep": 4},
 ]
+# the experts' reduced gradients averaged over the EP group as well (their units' all-reduce hook): caught
+BUGS4 = [({**TPEP, "parallel.dp": 2, "parallel.zero": 1}, "ep-expert-ep-averaged")]
 
 
 def _assert_passed(overrides, verdicts):
@@ -46,7 +52,11 @@ def test_whitebox_tp_with_ep_two_ranks(tmp_path):
 
 @pytest.mark.multirank
 def test_whitebox_tp_with_ep_four_ranks(tmp_path):
-    _assert_passed(WORLD4, whitebox_batch([load_config(MOE, o) for o in WORLD4], steps=2, out_dir=tmp_path))
+    cfgs = [load_config(MOE, o) for o in WORLD4 + [o for o, _ in BUGS4]]
+    verdicts = whitebox_batch(cfgs, steps=2, out_dir=tmp_path, inject=[None] * len(WORLD4) + [b for _, b in BUGS4])
+    _assert_passed(WORLD4, verdicts[:len(WORLD4)])
+    for (o, bug), v in zip(BUGS4, verdicts[len(WORLD4):], strict=True):
+        assert not v.passed and ".experts." in v.worst_parameter.name, (bug, o, v.failures[:3])
 
 
 @pytest.mark.multirank

@@ -44,6 +44,11 @@ class _Acts:
     ring_bwd: int  # context_parallel.RingAttention.backward's working set
     post_attn: int  # wo's input and the FFN norm's saved tensors (freed before the attention core's backward)
     shared_prod: int = 0  # MoE: the shared expert's SwiGLU product (its backward runs before the experts')
+    # MoE, at the shared expert's backward (it runs inside the combine, model/moe.py): the combine's rows [S, D]
+    # are freed, the experts' output gradient [S_kept, D] waits (with ep > 1 as the send buffer of the combine's
+    # transpose, whose [R, D] receive buffer is in flight too)
+    combine_rows: int = 0
+    combine_grad: int = 0
 
 
 @lru_cache(maxsize=8192)
@@ -89,10 +94,12 @@ def _acts(layout: Layout) -> _Acts:
         # live until UnbindBackward stacks them into one [El, D, F] tensor (both at once: 2 per weight)
         El = layout.num_experts // layout.ep
         ffn_bwd = 2 * El * D * layout.d_ff * (2 if path == "mp" else 4) + 3 * (Sk // El) * layout.d_ff * c
+        combine = (_moe_slots(layout, nm)[0] * D * c, Sk * D * c * (2 if layout.ep > 1 else 1))
     else:
         ffn = y2 + n * 3 * Fl * c  # lean.py SwiGLU keeps w1 x and w3 x; w2 keeps the product
         prod = n * Fl * c
         ffn_bwd = 3 * prod
+        combine = (0, 0)
     full = norms + y1 + attn + wo_in + ffn
     stream = nn_ * D * r
     if layout.recompute == "full":
@@ -122,7 +129,8 @@ def _acts(layout: Layout) -> _Acts:
                  lin_out_grads=n * ((sum(w for _, w, _, _ in mla_matmuls(layout, n)) - D if layout.mla else
                                      Dq + 2 * Dkv) + 2 * D + (2 * Fl if not layout.num_experts else 0)) * c,
                  ring_bwd=_ring_backward(layout, n, Dq, Dkv, Hl, c) if cp_ring else 0, post_attn=wo_in + norms // 2,
-                 shared_prod=n * (layout.shared_d_ff // t) * c if layout.num_experts else 0)
+                 shared_prod=n * (layout.shared_d_ff // t) * c if layout.num_experts else 0,
+                 combine_rows=combine[0], combine_grad=combine[1])
 
 
 def _ring_backward(layout: Layout, n: int, Dq: int, Dkv: int, Hl: int, c: int) -> int:

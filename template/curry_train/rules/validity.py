@@ -193,10 +193,6 @@ def check(cfg: Config) -> list[Problem]:
         bad(["parallel.zero", "parallel.pp_schedule"], f"zero={p.zero} (DDP) all-reduces when the last "
             "micro-batch's backward ends, but zero_bubble runs some weight-gradient passes after it (gradients "
             "would be wrong)", "use parallel.zero=2 or 3 with zero_bubble, or pp_schedule=interleaved_1f1b")
-    if m.num_experts and p.ep > 1 and p.zero == 1 and p.tp > 1:  # without TP: parallel/zero.py's expert groups
-        bad(["parallel.zero", "parallel.ep", "parallel.tp"], "ZeRO-1 with tp > 1 runs on FSDP2 holding the step "
-            "(wrapping.py), a form not proven with expert shards",
-            "use parallel.zero=2/3 with tp and ep, or tp=1 for ZeRO-1 with ep (DDP + per-group ZeRO)")
     if t.compile is True:
         for fields, why in compile_blockers(cfg):
             bad(["train.compile", *fields], f"train.compile=true cannot compile this layout: {why}",
