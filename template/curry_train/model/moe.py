@@ -179,7 +179,8 @@ class MoE(nn.Module):
     Shared experts (DeepSeekMoE, Dai et al. 2024 §3.2; DeepSeek-V2/V3) see every token: n_shared_experts SwiGLUs
     of width d_ff are one SwiGLU of width Fs = config.shared_width (their concatenation, as DeepSeek's released
     code builds them), added to the routed output. Their parameters are ordinary dense ones: replicated over ep
-    and averaged over dp like the router, never on the expert all-to-all.
+    and averaged over dp like the router, never on the expert all-to-all; they compute while the combine
+    all-to-all is in flight, forward and backward (_run_experts; docs/ARCHITECTURE.md#mixture-of-experts).
 
     After each forward: `aux_loss` (added by model.aux_loss), `tokens_per_expert` [E] (kept slots this rank
     routed), `dropped_slots`, and `tokens_received` [El] (rows each local expert processed: the EP load).
