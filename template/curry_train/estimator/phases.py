@@ -165,18 +165,18 @@ def last_block_backward(r: RankView, s: StateView) -> list[Moment]:
         out.append(Moment("input backward (zero bubble)", p3, g3, acts_i, o_i + a.norm_bwd, {}, b3))
     # zero 3 with ep > 1: the experts' own FSDP unit is gathered only for their backward (fully_shard_experts) and
     # FSDP2 prefetches one unit ahead in reverse forward order: the experts' unit while the block's dense part
-    # computes, the previous block's dense part while the experts do (the staging buffer `o3` holds unit_max)
+    # computes (a copy, no staging buffer, when their shard group is one rank), the previous block's dense part
+    # while the experts do (measured; the staging buffer `o3` holds is unit_max)
     own_unit = r.zero3 and layout.ep > 1 and not s.own_kept and layout.num_experts > 0
     experts = r.compute_bytes * 3 * (layout.num_experts // layout.ep) * layout.d_model * layout.d_ff
-    stage = (r.st.unit_max - experts, experts - (r.st.unit_max - experts)) if own_unit else (0, 0)
+    stage = (r.st.unit_max - (experts if layout.expert_shard > 1 else 0), experts) if own_unit else (0, 0)
     if a.shared_prod:  # MoE: the shared expert's SwiGLU backward before the experts', which keep their activations
         out.append(Moment("block backward (shared expert)", p3 - (experts if own_unit else 0), g3,
                           acts3 - a.shared_prod - a.combine_rows,
                           o3 + 3 * a.shared_prod + a.combine_grad - stage[0], {}, b3))
-    out.append(Moment("block backward (SwiGLU)", p3, g3, acts3 - a.prod, o3 + a.ffn_bwd - stage[0] - stage[1], {},
-                      b3))
+    out.append(Moment("block backward (SwiGLU)", p3, g3, acts3 - a.prod, o3 + a.ffn_bwd - stage[1], {}, b3))
     out.append(Moment("block backward (norm)", p3 - (experts if own_unit else 0), g3, acts3 - a.ffn_saved,
-                      o3 + a.norm_bwd - stage[0] - stage[1], {}, b3))
+                      o3 + a.norm_bwd - stage[1], {}, b3))
     return out
 
 
