@@ -210,7 +210,7 @@ def test_every_module_belongs_to_a_layer():
 # states -> activations -> pipeline schedule -> the moments of the step -> peak -> need -> time. A file imports
 # only the files before it.
 ESTIMATOR_ORDER = ("mla", "layout", "states", "acts", "pipeline", "moments", "phases", "peak", "init", "need",
-                   "reserve", "datasheets", "profiles", "compute", "makespan", "comm")
+                   "reserve", "datasheets", "profiles", "compute", "makespan", "comm_ep", "comm")
 
 
 def test_the_estimator_computes_in_one_direction():

@@ -69,6 +69,8 @@ it); this one holds the public API and the result models and re-exports the othe
                 GPU-name resolver
   compute.py    per-rank compute time: GEMMs by TP-local shape, fused attention by block, element-wise bytes
   makespan.py   the step's makespan: each rank's schedule order run with per-stage costs, the bubble
+  comm_ep.py    expert parallel's collectives: the all-to-alls (the combine behind the shared expert), the router's
+                over tp
   comm.py       collectives per step and the step time (CommItem, StepTime)
 `fits` needs both the step peak and the init peak under the usable budget.
 """
