@@ -38,6 +38,10 @@ WORLD2 = [
 WORLD4 = [
     {**FRONTIER, **GROUPS, "parallel.pp": 2, "parallel.dp": 2, "parallel.ep": 2, "train.global_batch": 16},
     {**FRONTIER, "parallel.dp": 4, "parallel.ep": 2, "parallel.zero": 3, "parallel.recompute": "full"},
+    # zero bubble's split backward (input pass, then weight pass) through the overlapped combine's transpose
+    {**FRONTIER, "parallel.pp": 2, "parallel.pp_schedule": "zero_bubble", "parallel.pp_virtual": 2, "parallel.dp": 2,
+     "parallel.ep": 2, "parallel.zero": 2, "train.global_batch": 16, "model.aux_loss_coef": 0.0,
+     "model.z_loss_coef": 0.0},
 ]
 
 
