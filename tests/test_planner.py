@@ -252,3 +252,18 @@ def test_megatrons_largest_runs_plan_their_tp_and_the_fewest_stages_within_the_t
     pub = [r for r in tie if (r.parallel["tp"], r.parallel["pp"], r.parallel["dp"]) == published]
     assert pub, "the published shape left the tie band"
     assert pub[0].step_time_s <= final.step_time_s * 1.05  # within 5% of final either way (1T 1.03, 530B 0.99)
+
+
+def test_fsdp_kept_gathered_across_micro_batches_is_searched_and_pays_under_accumulation():
+    # ZeRO-2 with its units kept gathered over the micro-batches of a step (one all-gather per step, not one per
+    # micro-batch): gradient accumulation no longer needs one micro-batch per step plus full recompute to
+    # amortise the gathers (llama3-8b on one node of 8 H100: 64 sequences per rank)
+    p = plan("llama3-8b", 8, 1, 80.0, 8192, 512, gpu="H100", top=100_000)
+    keep = [r for r in p.ranked if r.parallel.get("fsdp_keep_gathered")]
+    assert keep
+    for r in keep:
+        assert r.parallel["zero"] == 2 and 512 // (r.parallel["dp"] * r.micro_batch) > 1  # accumulating
+        plain = [q for q in p.ranked if q.micro_batch == r.micro_batch
+                 and q.parallel == {**r.parallel, "fsdp_keep_gathered": False}]
+        assert all(q.step_time_s > r.step_time_s for q in plain)  # a kept row is listed only where it gains
+    assert any(r.parallel["recompute"] == "none" for r in keep)

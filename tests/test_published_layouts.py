@@ -109,3 +109,21 @@ def test_the_175b_measurement_bounds_fsdp_alone_at_18b_from_below_in_the_estimat
     # with both at full recompute, as measured, the estimator's ratio is within the tolerance of the measured one
     ratio = tp8["step_s"] / at18["step_s"]
     assert abs(ratio / RATIO_18B - 1) <= EXCEPTION_TOLERANCE
+
+
+@pytest.mark.slow
+def test_every_published_setup_meets_the_benchmarks_targets(capsys):
+    # the benchmark's own JSON line (every setup planned, every ranked row estimated in full): final within 10% of
+    # the best clean row, the published layout within 15% of #1 (or of the class a measurement vouches for), no
+    # row listed as fitting that the full estimate puts over, no anti-pattern in final, no unexplained idle GPU
+    import json
+
+    from published_layouts import main
+
+    assert main(["--json"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["setups"] >= 13 and out["published_absent"] == [] and out["not_expressible"] == []
+    assert out["max_final_over_best_clean"] <= 1.10
+    assert out["max_published_over_best_targeted"] <= 1.15
+    assert out["rows_fitting_but_over"] == 0 and out["final_anti_patterns"] == 0
+    assert out["setups_with_idle_gpus_and_no_reason"] == 0
