@@ -22,7 +22,10 @@ from __future__ import annotations
 from typing import Any
 
 from curry_train.advice.decide import Ctx, Decision, band_edge, oom, try_patch
-from curry_train.config import Config
+from curry_train.advice.planner import cluster_config
+from curry_train.advice.search import Row, plan_final
+from curry_train.config import Config, ConfigError
+from curry_train.estimator import resolve_hardware
 from curry_train.rules import WITHIN
 
 RECOMPUTE = ("none", "selective", "full")
@@ -61,22 +64,23 @@ def cluster_for(cfg: Config, gpus: int) -> tuple[int, int]:
     return (gpn, gpus // gpn) if gpus % gpn == 0 else (gpn, cfg.hardware.nodes)
 
 
-def plan_under(c: Ctx, gpus: int) -> Any:
-    """plan on `gpus` GPUs of this node type, the user's micro-batch kept, every layout's limit lowered as the
-    evidence lowers this one's (c.target against its usable budget); None when plan refuses the question."""
-    from curry_train.advice.planner import plan
-
+def plan_under(c: Ctx, gpus: int) -> Row | None:
+    """plan's final row on `gpus` GPUs of this node type, the user's micro-batch kept, every layout's limit lowered
+    as the evidence lowers this one's (c.target against its usable budget); None when nothing fits or plan
+    refuses the question. The same search and choice as `plan` (search.plan_final), without its climb."""
     cfg = c.cfg
     m, t, h = cfg.model, cfg.train, cfg.hardware
     margin = max(0.0, 1 - c.target / c.est.usable_bytes) if c.est.usable_bytes > 0 else 0.0
     gpn, nodes = cluster_for(cfg, gpus)
-    hw = c.hardware if isinstance(c.hardware, str) else ("CPU" if h.device == "cpu" else None)
+    name = c.hardware if isinstance(c.hardware, str) else ("CPU" if h.device == "cpu" else None)
     try:
-        return plan({"model": m.model_dump(), "train": {"lr": t.lr, "weight_decay": t.weight_decay}}, gpn, nodes,
-                    h.gpu_memory_gib, t.seq_len, t.global_batch, micro_batch=t.micro_batch, search_micro_batch=False,
-                    dtype=t.dtype, hardware=hw, probe=c.probe, margin=min(margin, 0.999))
-    except ValueError:
+        asked = cluster_config(m.model_dump(), {"lr": t.lr, "weight_decay": t.weight_decay}, gpn, nodes,
+                               h.gpu_memory_gib, t.seq_len, t.global_batch, t.micro_batch, t.dtype,
+                               "cpu" if (name or "").upper() == "CPU" else "cuda")
+    except (ValueError, ConfigError):
         return None
+    hw = resolve_hardware(asked, name, c.probe)
+    return plan_final(asked, hw, min(margin, 0.999), search_micro_batch=False)[1]
 
 
 def agrees(before: dict[str, Any], rung: dict[str, Any], rung_step: float, final: dict[str, Any],
@@ -95,13 +99,13 @@ def against_plan(c: Ctx, d: Decision) -> Decision:
         gpus = new["dp"] * new["tp"] * new["pp"] * new["cp"]
     else:
         new, gpus = None, c.cfg.hardware.gpus_per_node * c.cfg.hardware.nodes
-    p = plan_under(c, gpus)
-    if p is None or not p.fits:
+    final = plan_under(c, gpus)
+    if final is None:
         return d  # plan finds no layout under this budget: the ladder's rung (or more GPUs) stands
-    if new is not None and agrees(cur, new, d.after.step_time.total_s, p.final, p.final_step_time_s,
+    if new is not None and agrees(cur, new, d.after.step_time.total_s, final.parallel, final.step_s,
                                   idle=d.primitive == "dp"):
         return d
-    patch = {k: v for k, v in p.final_patch.items() if k.startswith("parallel.") and cur[k.split(".")[-1]] != v}
+    patch = {f"parallel.{k}": v for k, v in final.parallel.items() if cur[k] != v}
     _new, e, _why = try_patch(c.cfg, patch, c.hardware, c.probe)
     if e is None or not patch:
         return d
