@@ -171,7 +171,7 @@ def run_row(name: str, preset: str, gpu: str, overrides: dict[str, Any], publish
 
 
 def markdown_row(r: dict[str, Any]) -> str:
-    """One row of docs/ESTIMATION.md's table (tests/test_published_throughput.py holds the doc to these)."""
+    """One row of docs/ESTIMATION.md's table (tests/test_compute_model.py holds the doc to these)."""
     unit = "TFLOP/s (Eq. 3)" if r["convention"] == "eq3" else "tokens/s"
     extras = f", x{r['extras_factor']:.2f} extras" if r["extras_factor"] != 1 else ""
     return (f"| {r['row']} | {r['gpus']} | {r['layout']} | {unit}{extras} | {r['published']:g} | "

@@ -34,6 +34,20 @@ def _plan_for(name: str, **kw):
                 micro_batch=t.micro_batch, hardware=hw, **kw)
 
 
+def _same_numbers(name: str, r) -> None:
+    """Every option an answer weighs (and the one it takes) carries estimate's own memory, step time and fit for
+    that layout: one evaluation path (estimate), whatever tool asks."""
+    from curry_train.estimator import estimate
+
+    opts = [(a.patch, a.fits, a.total_gib, a.step_time_s) for a in r.alternatives if a.total_gib is not None]
+    if r.config_patch:
+        opts.append((r.config_patch, r.fits_after, r.memory_after_bytes / GiB, r.step_time_after_s))
+    for patch, fits, total_gib, step in opts:
+        e = estimate(load_any(name, patch))
+        assert (fits, step) == (e.fits, e.step_time.total_s), (name, patch)
+        assert total_gib == pytest.approx(e.memory.total / GiB, abs=1e-3), (name, patch)
+
+
 # ----------------------------------------------------------------------------------------------- evidence
 
 
@@ -74,6 +88,7 @@ def test_slow_never_answers_worse_than_no_symptom_or_the_plan(name):
         assert slow.action != "none", (name, p.final, slow.reason)  # the plan is 10% faster: slow finds a lever
     for r in (none, slow):
         assert not INTERNAL.search(r.reason) and not any(INTERNAL.search(x) for x in r.rejected)
+        _same_numbers(name, r)
 
 
 # ----------------------------------------------------------------------------------------------- removals
@@ -260,6 +275,7 @@ def test_cli_plan_keeps_the_given_micro_batch_and_searches_on_request():
 def test_a_reported_oom_on_every_preset_climbs_or_names_its_rung(name):
     r = recommend_next(name, "oom")
     assert r.symptom == "oom" and r.evidence in ("within_band", "unconfirmed", "estimate")
+    _same_numbers(name, r)
     if r.evidence == "unconfirmed":
         assert r.action == "none" and "if the measurement confirms it" in r.reason
         assert r.if_confirmed or r.more_gpus_needed or "more GPUs" in r.reason

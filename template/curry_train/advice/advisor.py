@@ -18,9 +18,12 @@ The ladder (skills/stage4-parallel-primitive-intro; its gates in curry_train/rul
                                estimate is within the estimator's error band of the limit (search.PEAK_ERROR_BAND,
                                3%: benchmarks/estimator_accuracy.py's target) and climbs to clear the band; far
                                below it asks for measured_peak_bytes and names the rung `if_confirmed`.
+  one answer with plan      -> every OOM rung is held to plan's answer under the same budget (advice/agree.py):
+                               a step of plan's climb to its final, or within its tie band, else plan's layout;
+                               "more GPUs" only where plan finds none either.
   a fit inside the band     -> with no OOM evidence the answer may be `none`, but it carries a `caution`: an estimate
                                that close is not evidence that it fits; bench it, and `if_confirmed` is the rung a
-                               reported OOM gets there (decide.band_rung).
+                               reported OOM gets there (agree.band_rung).
   slow                      -> advice/tune.py weighs idle GPUs, the bubble, the micro-batch, HSDP, TP inside the
                                node, PP across nodes, EP, each with its estimate, and every removal the no-symptom
                                path weighs; when no single primitive gains, the planner's layout; the faster wins.
@@ -44,8 +47,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
+from curry_train.advice.agree import band_rung
 from curry_train.advice.beyond import OneGpuAnswer, one_gpu_answer
-from curry_train.advice.decide import Alt, Ctx, Primitive, band_rung, oom_evidence
+from curry_train.advice.decide import Alt, Ctx, Primitive, oom_evidence
 from curry_train.advice.tune import decide
 from curry_train.advice.wording import _gib, _set, render, render_caution, render_rejected
 from curry_train.config import Config

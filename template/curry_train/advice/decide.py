@@ -82,7 +82,11 @@ def oom_evidence(est: Estimate, symptom: str | None, measured: int | None) -> tu
     edge = band_edge(est)
     if total > edge:
         return "within_band", edge
-    return "unconfirmed", usable
+    # A measurement that confirms it is over the budget although the estimate is not: the rung to name must
+    # lower the estimated peak, by more than the estimator's error band (a saving inside it is no evidence that
+    # the rung lowers the peak). A rung that merely fits the budget may keep the peak (zero 1 -> 2 under TP + PP
+    # is the same layout) or raise it (PP over this template's kept FSDP units).
+    return "unconfirmed", int(total * (1 - PEAK_ERROR_BAND))
 
 
 def try_patch(cfg: Config, patch: dict[str, Any], hardware: Any, probe: Any) -> tuple[Config | None,
@@ -230,7 +234,10 @@ def oom(c: Ctx) -> Decision:
 
     # 2. data parallel below full sharding: the lowest ZeRO stage that fits
     if dpcp > 1 and p.zero < 3:
-        got = c.first_fit("zero", [{"parallel.zero": z} for z in range(p.zero + 1, 4)])
+        # under PP fsdp_reshard=default keeps ZeRO-3's units gathered: the ZeRO-2 layout (curry_train/fsdp_units.py),
+        # so the ZeRO-3 rung there reshards after each micro-batch's forward, as the planner's ZeRO-3 row does
+        reshard = {"parallel.fsdp_reshard": "always"} if p.pp > 1 and p.fsdp_reshard == "default" else {}
+        got = c.first_fit("zero", [{"parallel.zero": z, **(reshard if z == 3 else {})} for z in range(p.zero + 1, 4)])
         if got is not None:
             patch, e = got
             c.reject("tp_before_fsdp")
@@ -318,16 +325,6 @@ def oom(c: Ctx) -> Decision:
     return Decision("none", {}, None, "oom_exhausted", {"zero": p.zero, "recompute": p.recompute, "tp": p.tp,
                                                         "pp": p.pp, "cp": p.cp, "ep": p.ep, "min_nodes": nodes,
                                                         "gpus_per_node": h.gpus_per_node, "nodes": h.nodes}, True)
-
-
-def band_rung(c: Ctx) -> Decision | None:
-    """For an answer that changes nothing while the estimate fits inside PEAK_ERROR_BAND of the usable budget:
-    the rung a reported OOM gets there (oom_evidence's 'within_band', the same target: clear of the band), to take
-    if a measurement runs out of memory. An estimate that close is not evidence that it fits. None outside it."""
-    edge = band_edge(c.est)
-    if not edge < c.est.memory.total <= c.est.usable_bytes:
-        return None
-    return oom(Ctx(c.cfg, c.est, edge, c.hardware, c.probe, c.symptom_given))  # its own alternatives, not these
 
 
 def _tp_patches(cfg: Config) -> list[dict[str, Any]]:

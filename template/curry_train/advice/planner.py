@@ -22,7 +22,7 @@ from typing import Any
 from pydantic import BaseModel, Field
 
 from curry_train.advice.beyond import OneGpuAnswer, one_gpu_answer
-from curry_train.advice.search import PEAK_ERROR_BAND, Row, choose, label, min_nodes_to_fit, search
+from curry_train.advice.search import PEAK_ERROR_BAND, Row, min_nodes_to_fit, plan_final
 from curry_train.config import Config, ModelConfig, from_dict, load_yaml
 from curry_train.estimator import GiB, estimate, reserve_bytes, resolve_hardware
 from curry_train.estimator.profiles import check_cluster, get_profile
@@ -129,9 +129,9 @@ def _dp_for(world_left: int, gb: int, mb: int) -> int:
     return max((d for d in range(1, world_left + 1) if gb % (d * mb) == 0), default=1)
 
 
-def _base(model_sec: dict[str, Any], train_sec: dict[str, Any], gpus_per_node: int, nodes: int,
-          gpu_memory_gib: float, seq_len: int | None, global_batch: int | None, micro_batch: int,
-          dtype: str, device: str) -> Config:
+def cluster_config(model_sec: dict[str, Any], train_sec: dict[str, Any], gpus_per_node: int, nodes: int,
+                   gpu_memory_gib: float, seq_len: int | None, global_batch: int | None, micro_batch: int,
+                   dtype: str, device: str) -> Config:
     """Plain data parallelism over as many of the GPUs as the global batch can feed."""
     world = gpus_per_node * nodes
     seq = int(seq_len or train_sec.get("seq_len") or 4096)
@@ -297,12 +297,10 @@ def plan(model: str | dict[str, Any], gpus_per_node: int = 8, nodes: int = 1, gp
     if gb < micro_batch:
         raise ValueError(f"global_batch={gb} is smaller than micro_batch={micro_batch}; raise global_batch")
     device = "cpu" if (hardware or "").upper() == "CPU" else "cuda"
-    cfg = _base(model_sec, train_sec, gpus_per_node, nodes, budget, seq_len, gb, micro_batch, dtype, device)
+    cfg = cluster_config(model_sec, train_sec, gpus_per_node, nodes, budget, seq_len, gb, micro_batch, dtype, device)
     hw = resolve_hardware(cfg, hardware, probe)
-    found = search(cfg, hw, margin=margin, search_micro_batch=searched)
-    label(cfg, found.rows, found.cp_fallback)
+    found, final_row, best = plan_final(cfg, hw, margin, searched)  # choose: each row's band is its own budget's
     usable = (int(budget * GiB) - reserve_bytes(cfg)) * (1 - margin)
-    final_row, best = choose(found.rows, world)  # each row's error band against its own usable budget
     hints = [f"tp={k} is blocked only by the vocabulary: {vocab_pad_hint(cfg.model.vocab_size, k)}"
              for k in tp_blocked_by_vocab(cfg.model, gpus_per_node)[-1:]]
     if final_row is not None:

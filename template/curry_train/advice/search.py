@@ -286,6 +286,16 @@ def choose(rows: list[Row], world: int, band: float | None = PEAK_ERROR_BAND,
     return min(pool, key=lambda r: (-r.gpus_used, r.weight, r.step_s)), best
 
 
+def plan_final(cfg: Config, hw: HardwareProfile, margin: float = 0.0,
+               search_micro_batch: bool = True) -> tuple[Search, Row | None, float | None]:
+    """What `plan` decides for cfg's cluster (advice/planner.py, and advice/agree.py asks the same): every fitting
+    row, labelled with its anti-patterns, and `choose`'s final row and fastest clean step time."""
+    found = search(cfg, hw, margin=margin, search_micro_batch=search_micro_batch)
+    label(cfg, found.rows, found.cp_fallback)
+    final_row, best = choose(found.rows, cfg.hardware.gpus_per_node * cfg.hardware.nodes)
+    return found, final_row, best
+
+
 def any_fits(cfg: Config, hw: HardwareProfile, margin: float = 0.0) -> bool:
     return bool(search(cfg, hw, margin=margin, first_fit=True).rows)
 

@@ -22,7 +22,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from curry_train.advice.decide import Alt, Ctx, Decision, _pp_patches, _tp_patches, dp_sizes, oom
+from curry_train.advice.agree import planned_oom, primitive_of
+from curry_train.advice.decide import Alt, Ctx, Decision, _pp_patches, _tp_patches, dp_sizes
 from curry_train.config import Config, from_dict
 from curry_train.estimator import Estimate
 from curry_train.rules import WITHIN, anti_patterns, ep_allowed, hsdp_replicas, pp_allowed
@@ -65,18 +66,6 @@ def _hsdp(cfg: Config) -> list[tuple[str, str, dict[str, Any]]]:
     shard = p.dp * p.cp // r
     return [("hsdp", f"HSDP: dp_replicate {r} (ZeRO-{p.zero} shards over {shard} ranks inside a node, {r} replicas "
              "all-reduce across nodes)", {"parallel.dp_replicate": r})]
-
-
-_KEY_PRIM = (("cp", "cp"), ("ep", "ep"), ("pp", "pp"), ("tp", "tp"), ("recompute", "recompute"), ("zero", "zero"),
-             ("dp_replicate", "hsdp"), ("dp", "dp"))
-
-
-def _primitive(prim: str, patch: dict[str, Any]) -> Any:
-    """The primitive an option is named by: the planner's layout by the heaviest primitive it changes."""
-    if prim != "plan":
-        return prim
-    keys = {k.split(".")[-1] for k in patch}
-    return next((name for key, name in _KEY_PRIM if key in keys), "dp")
 
 
 def _planned(c: Ctx) -> list[tuple[str, str, dict[str, Any]]]:
@@ -167,7 +156,7 @@ def slow(c: Ctx) -> Decision:
         best = min(a.after.step_time.total_s for _, _, a in good)
         prim, name, alt = min((g for g in good if g[2].after.step_time.total_s <= best * (1 + WITHIN)),
                               key=lambda g: (WEIGHT[g[0]], g[2].after.step_time.total_s))
-        return Decision(_primitive(prim, alt.patch), alt.patch, alt.after, "slow_pick",
+        return Decision(primitive_of(prim, alt.patch), alt.patch, alt.after, "slow_pick",
                         {**facts, "name": name, "nodes": h.nodes, "prim": prim})
     kind = "slow_comm_bound" if st.comm_fraction > 0.5 else "slow_compute_bound"
     return Decision("none", {}, None, kind, facts, more_gpus=False, action="none")
@@ -278,10 +267,11 @@ def decide(c: Ctx, symptom: str, evidence: str) -> Decision:
     "slow" weighs every lever and every removal the no-symptom path weighs and takes the faster; otherwise the
     primitive in place whose removal gains, if any."""
     if evidence in ("estimate", "measured", "within_band"):
-        return oom(c)
+        return planned_oom(c)
     if evidence == "unconfirmed":
-        nxt = oom(c)  # the rung an OOM would get, for if the measurement confirms it
-        return Decision("none", {}, None, "oom_unmeasured", {"next_patch": nxt.patch, "next": nxt.primitive},
+        nxt = planned_oom(c)  # the rung an OOM would get, for if the measurement confirms it
+        return Decision("none", {}, None, "oom_unmeasured", {"next_patch": nxt.patch, "next": nxt.primitive,
+                                                             "next_kind": nxt.kind},
                         action="none")
     if symptom == "slow":
         d = slow(c)

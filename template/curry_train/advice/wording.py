@@ -17,6 +17,7 @@ from curry_train.advice.decide import PEAK_ERROR_BAND, Decision, Rejection
 from curry_train.advice.tune import REMOVE_GAIN
 from curry_train.breakdown import CATEGORIES
 from curry_train.estimator import Estimate, GiB
+from curry_train.rules import WITHIN
 
 
 def _gib(n: float) -> str:
@@ -82,6 +83,9 @@ _REJECTED: dict[str, Callable[[dict[str, Any]], str]] = {
         "forward (torch.distributed.pipelining; docs/ESTIMATION.md, 'Pipeline x FSDP'): without them about "
         f"{_gib(f['total'] - f['copies'])}; Megatron-LM's pipeline keeps each stage's parameters whole and shards "
         "only the optimizer state (its distributed optimizer), so it has no gathered copies to keep"),
+    "oom_plan_over_ladder": lambda f: (f"{f['ladder']} ({_set(f['ladder_patch'])}): {f['ladder_step']:.3g} s per "
+                                       f"step against {f['plan_step']:.3g} s for the planner's layout, which does "
+                                       "not take it"),
     "tp_before_fsdp": lambda f: "tp: never before full sharding (ZeRO-3 solves more with less)",
     "cp_no_need": lambda f: f"cp: no proven need ({_cp_need_why(f)})",
     "cp_vs_tp": lambda f: (f"{f['other']} {f['other_patch']}: {_gib(f['other_total'])}"
@@ -116,6 +120,11 @@ def _slow_head(est: Estimate, comm: dict[str, float]) -> str:
 
 
 _ZERO_WHAT = {1: "optimizer state", 2: "optimizer state and gradients", 3: "parameters too"}
+
+
+def _next(f: dict[str, Any]) -> str:
+    """The rung an unconfirmed OOM names: the ladder's primitive, or the planner's layout (advice/agree.py)."""
+    return "the planner's layout under that budget" if f.get("next_kind") == "oom_plan" else f["next"]
 
 
 def _in_place(f: dict[str, Any]) -> str:
@@ -186,11 +195,19 @@ _REASON: dict[str, Callable[[str, dict[str, Any], Estimate, Any], str]] = {
         + (f": the planner finds a fitting layout from {f['min_nodes']} nodes of {f['gpus_per_node']} "
            f"({f['min_nodes'] * f['gpus_per_node']} GPUs; now {f['nodes']})" if f.get("min_nodes") else
            " (none up to 131,072 GPUs: a smaller micro-batch, sequence or model)") + "."),
+    "oom_plan": lambda h, f, b, e: (
+        f"{h}. "
+        + (f"The ladder's next rung, {f['ladder']} ({_set(f['ladder_patch'])}), would take {f['ladder_step']:.3g} s "
+           "per step; the layout the planner ranks first under the same budget does not take that rung and is more "
+           f"than {WITHIN:.0%} faster" if f["ladder_patch"] else
+           "No rung of the ladder lowers the peak enough here, but the planner finds a layout under the same budget")
+        + f" (curry-train plan on these {f['gpus']} GPUs, micro-batch kept): {f['what']}: {_gib(f['total'])}"
+        f"{_over(f)}, {_steps(b.step_time.total_s, e.step_time.total_s)}."),
     "oom_unmeasured": lambda h, f, b, e: (
         f"you report an OOM, but the estimate fits with room: peak {_gib(b.memory.total)} of {_budget(b)} "
         f"(headroom {_gib(b.headroom_bytes)}, more than the estimator's {PEAK_ERROR_BAND:.0%} error band). Pass "
         "measured_peak_bytes (bench's peak_memory_bytes) or run bench; if the measurement confirms it, the next "
-        "rung is " + (f"{f['next']} ({_set(f['next_patch'])})" if f["next_patch"] else "more GPUs") + "."),
+        "rung is " + (f"{_next(f)} ({_set(f['next_patch'])})" if f["next_patch"] else "more GPUs") + "."),
     "slow_pick": lambda h, f, b, e: (
         f"{h}. {_WHY[f['prim']](f)} Weighed with the estimator, the lightest change within 10% of the fastest "
         f"is: {f['name']}: "
@@ -232,7 +249,7 @@ def render(d: Decision, est: Estimate, target: int, given: str | None, evidence:
 
 
 def render_caution(est: Estimate, rung: Decision) -> str:
-    """The caution an answer that changes nothing owes a fit inside the estimator's error band (decide.band_rung)."""
+    """The caution an answer that changes nothing owes a fit inside the estimator's error band (agree.band_rung)."""
     nxt = f"{rung.primitive} ({_set(rung.patch)})" if rung.patch else "more GPUs"
     return (f"Caution: the estimated peak {_gib(est.memory.total)} is within the estimator's {PEAK_ERROR_BAND:.0%} "
             f"error band of {_budget(est)} (headroom {_gib(est.headroom_bytes)}; the band is "
