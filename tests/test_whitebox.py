@@ -20,7 +20,7 @@ def test_ddp_two_ranks_matches_reference_over_accumulation_layouts(tmp_path):
         {"parallel.dp": 2},                             # 2 micro-batches per rank
         {"parallel.dp": 2, "train.micro_batch": 1},     # 4 micro-batches per rank (no_sync path)
         {"parallel.dp": 2, "train.micro_batch": 4},     # no accumulation
-        {"parallel.dp": 2, "train.dtype": "bfloat16"},  # bf16 autocast vs the fp32 reference (looser, stated)
+        {"parallel.dp": 2, "train.dtype": "bfloat16"},  # bf16 replicas on FSDP2 vs a same-casts reference
         {"parallel.dp": 2, "parallel.zero": 3, "train.dtype": "bfloat16"},  # FSDP2 MixedPrecisionPolicy
     )]
     verdicts = whitebox_batch(cfgs, steps=2, out_dir=tmp_path)

@@ -36,7 +36,7 @@ def units_gathered_zero_bubble(r: RankView, s: StateView) -> list[Moment]:
     p_g, o_g = max((st.chunk_units[c], st.unit_max if lay[c] else root_c), (root_c, root_c), key=sum)
     acts_g = s.head_acts if r.has_head and layout.pp > 1 else s.acts + s.logits_alive
     s.own_kept = True
-    return [Moment("units gathered (zero bubble)", s.param_copies + s.kept_other + p_g, s.grads_prev, acts_g,
+    return [Moment("units gathered (zero bubble)", s.kept_other + p_g, s.grads_prev, acts_g,
                    s.other + o_g, {}, s.gbuf_prev)]
 
 
@@ -47,7 +47,7 @@ def forward_units_kept(r: RankView, s: StateView) -> list[Moment]:
     st, a, ps = r.st, r.a, s.ps
     root_c = st.chunk_roots[ps.chunk]
     acts_f = s.acts + (a.logits if ps.chunk == r.head_chunk else 0)
-    return [Moment("forward (units kept)", s.param_copies + s.kept_other + root_c + st.unit_max, s.grads_prev,
+    return [Moment("forward (units kept)", s.kept_other + root_c + st.unit_max, s.grads_prev,
                    acts_f, s.other + st.unit_max + a.stream, {}, s.gbuf_prev)]
 
 
@@ -67,13 +67,10 @@ def _gathered(r: RankView, s: StateView, past_head: bool = False) -> int:
 
 
 def _head_weight_grads(r: RankView) -> tuple[int, int]:
-    """(dW_out, the chunked loss's summed head-weight gradient): under autocast in the compute dtype the chunks
-    share autocast's cached bf16 cast of the weight, whose backward node sums them before the one cast back."""
+    """(dW_out, the chunked loss's summed head-weight gradient, as large as one chunk's)."""
     layout, a = r.layout, r.a
     w_out = r.grad_bytes * (layout.vocab_size // layout.tp) * layout.d_model
-    if a.chunks == 1:
-        return w_out, 0
-    return w_out, (2 * (layout.vocab_size // layout.tp) * layout.d_model if layout.precision == "autocast" else w_out)
+    return w_out, (0 if a.chunks == 1 else w_out)
 
 
 def _at_head(r: RankView, s: StateView) -> bool:
@@ -91,7 +88,7 @@ def loss_backward(r: RankView, s: StateView) -> list[Moment]:
     loss_grads = 3 * a.lsm + 4 * a.chunk_targets if layout.tp > 1 and not layout.num_experts else 2 * a.lsm
     _, w_acc = _head_weight_grads(r)
     chunk_acc = w_acc + a.dy_head if a.chunks > 1 else 0
-    return [Moment("loss backward", s.param_copies + _gathered(r, s), s.grads_prev, s.head_acts + a.lsm - s.lsm_kept,
+    return [Moment("loss backward", _gathered(r, s), s.grads_prev, s.head_acts + a.lsm - s.lsm_kept,
                    s.other + loss_grads + chunk_acc, {"loss_grads": loss_grads}, s.gbuf_prev)]
 
 
@@ -105,7 +102,7 @@ def lm_head_backward(r: RankView, s: StateView) -> list[Moment]:
     a = r.a
     w_out, w_acc = _head_weight_grads(r)
     head_grads = a.grad_logits + a.dy_head + w_out if a.chunks == 1 else 3 * w_acc + a.dy_head
-    p2, o2 = s.param_copies + _gathered(r, s), s.other + head_grads
+    p2, o2 = _gathered(r, s), s.other + head_grads
     if r.zero3 and not s.own_kept:
         if r.layout.pp > 1 or r.layout.head_reshards:  # (the head re-gathered; without PP: only under "always")
             p2 += r.st.head_unit if r.layout.pp == 1 else r.st.root_unit
@@ -133,7 +130,7 @@ def _block_backward(r: RankView, s: StateView) -> tuple[int, int, int, int, int]
     g3, b3 = _new_grads(r, s, head_grads + (r.grad_bytes * r.w2 if s.fresh else 0))
     gathering = r.zero3 and not s.own_kept
     root = st.root_unit if layout.pp > 1 else 0  # without PP the embedding is gathered for its backward only
-    p3 = s.param_copies + (_gathered(r, s, True) + (root + st.unit_max if gathering else 0) if r.fsdp else 0)
+    p3 = (_gathered(r, s, True) + (root + st.unit_max if gathering else 0) if r.fsdp else 0)
     # a chunk without the head receives its output gradient into the pipeline's receive buffer (pp_buffers):
     # no fresh [n, D] gradient in `other` until its last block's backward makes one
     d_out = a.d_stream if layout.pp == 1 or _at_head(r, s) else 0
@@ -191,7 +188,7 @@ def first_block_units_kept(r: RankView, s: StateView) -> list[Moment]:
     if not s.ps.own_grads:  # the chunk's first backward: accumulators of its later blocks and its head
         root_c = sum(d0 * r_ for d0, r_, _, _ in _root_tensors(layout, False, r.stages[c] == r.n_stages - 1))
         b_end += 4 * ((lay[c] - 1) * r.block_local + root_c)
-    p_end = s.param_copies + s.kept_other + st.chunk_units[c]
+    p_end = s.kept_other + st.chunk_units[c]
     if not s.own_kept and r.stages[c] == 0:  # the embedding's own unit: resharded after its forward, gathered
         p_end -= st.embed_unit  # again only for its backward (fsdp_units.py)
     out = []
@@ -234,7 +231,7 @@ def first_layer_backward(r: RankView) -> list[Moment]:
         g4 = 4 * (blk_shard - blk_shard // max(n_blk, 1))  # reduced blocks: sharded grads
         if r.fsdp_accum:  # unsharded: grad_buffers
             b4 = 4 * (root_local + blk_local)  # accumulators of the root and of this block
-            if layout.precision == "mp":
+            if layout.precision == "mp":  # this micro-step's bf16 gradients before they join the fp32 ones
                 b4 += cb * (root_local + r.w2)
         else:
             if m > 1:  # sharded grads of this block and the root from the earlier micro-steps
@@ -260,7 +257,7 @@ def first_layer_backward(r: RankView) -> list[Moment]:
             else:
                 g_h = 4 * st.n_stored
                 b_h = cb * (root_local - ((V // tp) * D if r.has_embed else 0) - r.head_numel + r.w2)
-            held.append(Moment("block backward (first, units held)", st.all_units + a.pcopy_layer, g_h, 0,
+            held.append(Moment("block backward (first, units held)", st.all_units, g_h, 0,
                                r.other_base + a.d_stream + a.ffn_bwd + (0 if r.fsdp_accum else st.rs_buffer), {},
                                b_h))
     else:
@@ -272,7 +269,7 @@ def first_layer_backward(r: RankView) -> list[Moment]:
         logits_end * a.logits - a.prod
     if layout.pp > 1 and min(r.stages) != r.n_stages - 1:
         acts4 += a.stream
-    return [Moment("block backward (first)", p4 + a.pcopy_layer, g4, acts4,
+    return [Moment("block backward (first)", p4, g4, acts4,
                    r.other_base + a.d_stream + a.ffn_bwd + o4, {}, b4)] + [h._replace(activations=acts4) for h in held]
 
 
@@ -284,7 +281,7 @@ def head_reduce_scatter(r: RankView, s: StateView) -> list[Moment]:
     if not (r.fsdp and r.layout.pp == 1 and r.has_head and not r.fsdp_accum):
         return []
     st, a = r.st, r.a
-    held = s.param_copies + (0 if r.zero3 else st.all_units - st.head_unit)
+    held = (0 if r.zero3 else st.all_units - st.head_unit)
     rs = _unit_reduce_scatter(r.layout, st.head_unit, st.head_stored, r.compute_bytes)
     return [Moment("head reduce-scatter", held, s.grads_prev, s.acts,
                    s.other + a.d_stream + (st.unit_max if r.zero3 else 0) + rs, {"head_reduce_scatter": rs})]

@@ -127,7 +127,7 @@ def _states_cached(layout: Layout, stages: tuple[int, ...]) -> _States:
                        chunk_roots=roots, embed_unit=cbytes * sum(shard(tn) * group(tn) for tn in embed_t),
                        head_unit=cbytes * sum(shard(tn) * group(tn) for tn in head_t),
                        embed_stored=sum(shard(tn) for tn in embed_t), head_stored=sum(shard(tn) for tn in head_t))
-    if shards_optimizer_only(layout.dp, layout.cp, layout.zero, layout.tp):  # ZeRO-1 (wrapping.py)
+    if shards_optimizer_only(layout.dp, layout.cp, layout.zero, layout.tp, layout.dtype):  # ZeRO-1 (wrapping.py)
         every = [tn for n, ts in kinds for tn in ts * n] + root
         if layout.num_experts and layout.ep > 1:  # parallel/zero.py: the experts are partitioned on their own
             opt, owned = _zero1_expert_opt(layout, [tn for tn in every if tn[3] != "expert"],
