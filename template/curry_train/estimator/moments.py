@@ -202,10 +202,16 @@ class StateView:
     kept: tuple[bool, ...]  # per chunk: every FSDP unit gathered
     kept_other: int  # bytes of the other chunks' kept units
     own_kept: bool  # the starting chunk's units are all gathered
+    # the step's last micro-batch of a layout that holds its units for the step (parallel/fsdp.py holds_step:
+    # ZeRO-0/1 on FSDP2, fsdp_keep_gathered): its units reshard after their backward and reduce as ZeRO-2's do
+    last: bool = False
 
 
-def state_view(r: RankView, ps: _PipeState) -> StateView:
+def state_view(r: RankView, ps: _PipeState, last: bool = False) -> StateView:
+    """`last`: the step's last micro-batch of a layout holding its units (StateView.last); with one micro-batch
+    that is every one."""
     layout, a, st, lay, held = r.layout, r.a, r.st, r.chunk_layers, ps.held
+    last = layout.fsdp_holds_units and (last or layout.n_micro_batches == 1)
     # zero bubble: each I whose W has not run keeps its graph, with its linears' output gradients (and the
     # head's logits gradient) for the W; the activations are in `held` already
     other = r.other_base + sum(n * (lay[ci] * a.lin_out_grads + (a.grad_logits_all if ci == r.head_chunk else 0))
@@ -241,4 +247,4 @@ def state_view(r: RankView, ps: _PipeState) -> StateView:
     kept_other = sum(u for ci, u in enumerate(st.chunk_units) if kept[ci] and ci != ps.chunk)
     return StateView(ps=ps, other=other, acts=acts, head_acts=head_acts,
                      logits_alive=logits_alive, lsm_kept=lsm_kept, grads_prev=grads_prev, gbuf_prev=gbuf_prev,
-                     fresh=fresh, kept=kept, kept_other=kept_other, own_kept=kept[ps.chunk])
+                     fresh=fresh, kept=kept, kept_other=kept_other, own_kept=kept[ps.chunk], last=last)
