@@ -159,9 +159,10 @@ def _states_cached(layout: Layout, stages: tuple[int, ...]) -> _States:
 def adamw_fused(layout: Layout) -> bool:
     """Whether the template's AdamW runs fused (train/optim.py adamw_kwargs): on CUDA when every parameter one
     AdamW steps is of one kind, plain tensors or DTensors of one mesh; else the per-tensor loop (foreach=False).
-    The kinds each layout leaves (held against the real ranks by tests/parallel/test_adamw_kinds.py): TP without SP leaves
-    the norm weights plain beside its DTensors, MLA its latent projections and a MoE its router and experts;
-    FSDP puts EP's expert units on their own mesh. DDP's experts and ZeRO-1's per-group optimizers are plain."""
+    The kinds each layout leaves (held against the real ranks by tests/parallel/test_adamw_kinds.py): TP without
+    SP leaves the norm weights plain beside its DTensors, MLA its latent projections and a MoE its router and
+    experts; FSDP puts EP's expert units on their own mesh. DDP's experts and ZeRO-1's per-group optimizers are
+    plain."""
     if layout.device == "cpu":
         return False
     if layout.tp > 1 and (not layout.sp or layout.mla or layout.num_experts):

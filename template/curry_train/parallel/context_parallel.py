@@ -42,7 +42,7 @@ from curry_train.parallel.comms import RingExchange
 # CP_RING_KERNEL / CP_RING_KERNEL_DTYPE; tests/test_cost_terms.py fails when the two disagree, and checks that the
 # blocks really call a fused SDPA op in this dtype):
 RING_KERNEL = "fused_sdpa"  # torch's fused attention with its LSE per block (_attn_fwd / _attn_bwd), no score tile
-RING_KERNEL_DTYPE = "compute"  # the blocks take q, k, v in the compute dtype (autocast off): "compute" | "float32"
+RING_KERNEL_DTYPE = "compute"  # the blocks take q, k, v in the compute dtype: "compute" | "float32"
 
 
 def kernel_dtype(q: torch.Tensor) -> torch.dtype:
