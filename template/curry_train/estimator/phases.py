@@ -357,7 +357,8 @@ def _unit_reduce_scatter(layout: Layout, unit: int, stored: int, cb: int, copy_i
     autograd engine still holds + gloo's own copy of the input), see _root_reduce_scatter."""
     rs_in = 4 * (unit // cb)  # padded unsharded numel, fp32
     held = cb * (layout.vocab_size // layout.tp) * layout.d_model
-    gloo = rs_in if (layout.device == "cpu" and GLOO_COPIES_RS_INPUT) else 0
+    # (a shard group of one rank, bf16 ZeRO-0's replicas or degree 1, copies instead of reduce-scattering)
+    gloo = rs_in if (layout.device == "cpu" and GLOO_COPIES_RS_INPUT and layout.shard > 1) else 0
     return rs_in + max(unit if copy_in is None else copy_in, 4 * stored + held + gloo)
 
 
