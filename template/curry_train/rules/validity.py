@@ -199,12 +199,9 @@ def check(cfg: Config) -> list[Problem]:
             "would be wrong)", "use parallel.zero=2 or 3 with zero_bubble, or pp_schedule=interleaved_1f1b")
     if m.num_experts and p.ep > 1 and p.zero == 1 and p.tp > 1:  # without TP: parallel/zero.py's expert groups
         bad(["parallel.zero", "parallel.ep", "parallel.tp"], "ZeRO-1 with tp > 1 runs on FSDP2 holding the step "
-            "(wrapping.py), a form not proven with expert shards",
-            "use parallel.zero=2/3 with tp and ep, or tp=1 for ZeRO-1 with ep (DDP + per-group ZeRO)")
-    if t.compile is True:
-        for fields, why in compile_blockers(cfg):
-            bad(["train.compile", *fields], f"train.compile=true cannot compile this layout: {why}",
-                "set train.compile=auto (it leaves this layout eager) or false")
+            "(wrapping.py), a form not proven with expert shards under TP",
+            "use parallel.zero=2/3 with tp and ep, or tp=1 for ZeRO-1 with ep (fp32: DDP + per-group ZeRO; bf16: "
+            "FSDP2 holding the step)")
     nodes_gpus = h.gpus_per_node * h.nodes
     if cfg.world_size > nodes_gpus:
         bad(["hardware.gpus_per_node", "hardware.nodes"],
@@ -218,18 +215,6 @@ def check(cfg: Config) -> list[Problem]:
         bad(["parallel.tp", "hardware.gpus_per_node"], f"tp={p.tp} does not divide gpus_per_node="
             f"{h.gpus_per_node}: some TP groups would straddle two nodes",
             f"use tp in {divisors(h.gpus_per_node)}")
-    return out
-
-
-def compile_blockers(cfg: Config) -> list[tuple[list[str], str]]:
-    """The layouts train.compile cannot run on, as (fields, why): `check` refuses compile=true there and
-    parallel/compile.py's auto leaves them eager. Measured with the white-box on CPU, torch 2.13 (inductor, gcc 12):
-    dp, ZeRO-1/3, cp, pp, ep and recompute compile and match the reference; TP does not."""
-    out = []
-    if cfg.parallel.tp > 1:
-        out.append((["parallel.tp"], "the tensor-parallel plan's DTensor hooks run inside the compiled block, whose "
-                    "backward then hands DTensor's redistribute a plain tensor (torch 2.13: AttributeError "
-                    "'_local_tensor' in the first backward)"))
     return out
 
 

@@ -98,6 +98,9 @@ from curry_train.validation.verdict import ParamDiff, Verdict
 FP32 = {"loss_rtol": 1e-5, "grad_atol": 1e-6, "grad_rtol": 1e-5, "grad_rel_l2": 1e-4, "grad_norm_rtol": 1e-5,
         "update_rtol": 1e-3, "update_atol": 1e-9, "adam_free_grad": 1e-6, "free_lr": 1.0, "act_rtol": 1e-4}
 BF16 = {"loss_rtol": 2e-4, "grad_rel_l2": 5e-2, "grad_norm_rtol": 6e-4, "act_rtol": 2e-3}
+# A compiled bf16 block keeps its fused elementwise chains in fp32 (bf16_cast_exact): its grad norm is nearer the
+# exact one than the eager reference's by up to 9.3e-4 relative (measured); the grad-norm bound is the activations'
+BF16_COMPILED = {"grad_norm_rtol": 2e-3}
 HUGE = 1e30  # the ratio recorded for NaN (never <= 1, and JSON-safe unlike inf)
 
 
@@ -297,7 +300,9 @@ def bf16_cast_exact(cfg: Config, compiled: bool = False) -> bool:
     or token dimension (tp, cp, ep), and eager: inductor fuses elementwise chains (RMSNorm, RoPE, SiLU * up)
     and keeps their intermediates in fp32 (torch._inductor.config.emulate_precision_casts is off), so a
     compiled block rounds to bf16 fewer times than the eager reference, the same class of difference as tp's
-    other partial sums (measured, tiny 1 rank compiled: gradients 0.58% relative L2, 12% of BF16's bound)."""
+    other partial sums. With the whole block in bf16 (FSDP2's policy on every bf16 layout, no fp32 stream) that
+    difference reaches the grad norm: BF16_COMPILED (measured, tiny compiled, 2 steps: 1 rank and dp2 9.3e-4
+    relative on the grad norm, tp2 7.0e-4; gradients 21% of the 5% L2 bound, activations 25-33%)."""
     p = cfg.parallel
     return p.tp == 1 and p.cp == 1 and p.ep == 1 and not compiled
 
@@ -312,6 +317,8 @@ def compare(cfg: Config, ref: dict[str, Any], par: dict[str, Any], steps: int, f
     step, for the labels (a resumed run's steps continue its checkpoint's, validation/resume.py)."""
     bf16 = cfg.train.dtype == "bfloat16" and not bf16_cast_exact(cfg, bool(par.get("compiled")))  # else fp32
     tol = dict(BF16 if bf16 else FP32)
+    if bf16 and par.get("compiled"):
+        tol.update(BF16_COMPILED)
     c = _Checker(bf16, tol)
     losses_ref, losses_par = list(ref.get("losses") or []), list(par.get("losses") or [])
     if steps < 1 or len(losses_ref) != steps or len(losses_par) != steps:
