@@ -334,11 +334,14 @@ def head_reduce_scatter(r: RankView, s: StateView) -> list[Moment]:
         return []
     st, a = r.st, r.a
     held = (0 if r.zero3 else st.all_units - st.head_unit)
-    accum = 4 * r.head_numel if r.fsdp_accum else 0  # the accumulator, copied into the input and freed
-    rs = _unit_reduce_scatter(r.layout, st.head_unit, st.head_stored, r.compute_bytes, copy_in=accum or None)
+    if r.fsdp_accum:  # the accumulator (in grad_buffers) copied into the input, then freed before the collective
+        accum = 4 * r.head_numel
+        rs = _unit_reduce_scatter(r.layout, st.head_unit, st.head_stored, r.compute_bytes, copy_in=accum) - accum
+    else:
+        rs = _unit_reduce_scatter(r.layout, st.head_unit, st.head_stored, r.compute_bytes)
     return [Moment("head reduce-scatter", held, s.grads_prev, s.acts,
                    s.other + a.d_stream + (st.unit_max if r.zero3 else 0) + rs, {"head_reduce_scatter": rs},
-                   s.gbuf_prev - accum)]
+                   s.gbuf_prev)]
 
 
 def root_reduce_scatter(r: RankView) -> list[Moment]:
