@@ -31,7 +31,7 @@ TWO_RANKS = {  # the layouts that ran under autocast, plus ZeRO-3 (always FSDP) 
 
 def _observe(cfg_over: dict[str, Any]) -> dict[str, Any]:
     """One real train_step of tiny under `cfg_over` on this rank, with what its modules receive recorded."""
-    from curry_train.parallel.fsdp import replicas
+    from curry_train.parallel.parallelize import canonical_name
     from curry_train.train.loop import init_distributed, setup, train_step
     from torch.distributed.fsdp import FSDPModule
 
@@ -53,6 +53,7 @@ def _observe(cfg_over: dict[str, Any]) -> dict[str, Any]:
     hooks = []
     for part in par.parts:
         for name, m in part.named_modules():
+            name = canonical_name(name)  # (DDP's `module.` prefix, were there one)
             if name.startswith("layers.") and name.count(".") == 1:
                 hooks.append(m.register_forward_pre_hook(block_hook))
             elif name.endswith("_norm") or name == "norm":
@@ -67,9 +68,11 @@ def _observe(cfg_over: dict[str, Any]) -> dict[str, Any]:
         for h in hooks:
             h.remove()
     opt_params = [p for g in par.optimizer.param_groups for p in g["params"]]
+    mesh = getattr(opt_params[0], "device_mesh", None)  # FSDP2's (replicas, shard) or (shard,) mesh; DDP: none
     states = [t for st in par.optimizer.state.values() for k, t in st.items() if k != "step"]
     return {**{k: sorted(map(str, v)) for k, v in seen.items()}, "autocast_entered": len(entered),
-            "fsdp": all(isinstance(part, FSDPModule) for part in par.parts), "replicas": replicas(cfg),
+            "fsdp": all(isinstance(part, FSDPModule) for part in par.parts),
+            "param_mesh": None if mesh is None else tuple(mesh.shape),
             "master": sorted({str(p.dtype) for p in opt_params}), "adam": sorted({str(t.dtype) for t in states}),
             "mesh": None if par.mesh is None else tuple(par.mesh.shape)}
 
@@ -96,8 +99,8 @@ def test_bf16_layouts_without_fsdp_before_run_the_policy_on_two_ranks():
         for (name, _), got in zip(TWO_RANKS.items(), res):
             _assert_policy(f"{name} rank {rank}", got)
     by = dict(zip(TWO_RANKS, per_rank[0]))
-    assert by["dp2-zero0"]["replicas"] == 2  # DP as 2 replicas of one shard (wrapping.fsdp_replicas)
-    assert by["dp2-zero1"]["replicas"] == by["dp2-zero3"]["replicas"] == 1  # one shard group of 2
+    assert by["dp2-zero0"]["param_mesh"] == (2, 1)  # DP as 2 replicas of one shard (wrapping.fsdp_replicas)
+    assert by["dp2-zero1"]["param_mesh"] == by["dp2-zero3"]["param_mesh"] == (2,)  # one shard group of 2
 
 
 @pytest.mark.multirank
