@@ -4,7 +4,7 @@ The template (parallel/parallelize.py), the estimator (estimator/layout.py and t
 (rules/) and the planted bugs (validation/inject.py) all ask these functions, so the rule cannot drift between
 what runs and what is modelled. Pure arithmetic over the degrees: no torch, importable by the torch-free estimator.
 
-The rule (docs/ARCHITECTURE.md, "One rung"): data parallelism runs over the flattened dp x cp group, because CP
+The rule (docs/ARCHITECTURE.md, "Mixed precision"): data parallelism runs over the flattened dp x cp group, because CP
 ranks hold different tokens of the same sequences and their gradients are averaged like dp's.
 
 bfloat16: every layout is FSDP2 `fully_shard` with its MixedPrecisionPolicy (bf16 compute parameters, fp32 master
