@@ -6,7 +6,9 @@ Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer
 Table 2) count 34 s*b*h bytes per layer for a GPT layer with flash attention; SwiGLU (three [s, b, F]
 intermediates with F = 3.5 h) and GQA (k, v at G/H of q) make it about 36 for llama3-8b. The figure is the
 estimator's (estimator/acts.py, exact on the CPU tracker: tests/test_lean_activations.py), per precision path:
-bf16 under FSDP2's MixedPrecisionPolicy (the target line), bf16 under autocast, fp32. Final line: one JSON object.
+bf16 under FSDP2's MixedPrecisionPolicy on ZeRO-3 (the target line) and on ZeRO-0 (dp replicas of one shard: the
+layout that ran under torch.autocast before every bf16 layout ran the policy, wrapping.py; 46.03 then), and fp32.
+Final line: one JSON object.
 """
 
 from __future__ import annotations
@@ -21,15 +23,15 @@ from curry_train.paths import resolve_config_arg
 
 TARGET = 40.0  # bytes per s*b*h per layer, bf16 FSDP (docs/ESTIMATION.md, "Activations")
 PATHS = {"mp": {"train.dtype": "bfloat16", "parallel.dp": 8, "parallel.zero": 3},
-         "autocast": {"train.dtype": "bfloat16", "parallel.dp": 8, "parallel.zero": 0},
+         "mp-zero0": {"train.dtype": "bfloat16", "parallel.dp": 8, "parallel.zero": 0},
          "fp32": {"train.dtype": "float32", "parallel.dp": 8, "parallel.zero": 3}}
 
 
-def per_sbh(config: str, seq: int, overrides: dict) -> tuple[str, float]:
+def per_sbh(config: str, seq: int, overrides: dict) -> float:
     cfg = load_any(resolve_config_arg(config), {"train.seq_len": seq, "train.micro_batch": 1, "parallel.tp": 1,
                                                 "parallel.recompute": "none", **overrides})
     lay = layout_of(cfg)
-    return lay.precision, _acts(lay).layer_full / (lay.micro_batch * lay.seq_len * lay.d_model)
+    return _acts(lay).layer_full / (lay.micro_batch * lay.seq_len * lay.d_model)
 
 
 def main() -> None:
@@ -39,12 +41,12 @@ def main() -> None:
     a = ap.parse_args()
     out = {}
     for name, overrides in PATHS.items():
-        path, x = per_sbh(a.config, a.seq, overrides)
-        out[path] = round(x, 2)
-        if path == "mp":
+        x = per_sbh(a.config, a.seq, overrides)
+        out[name] = round(x, 2)
+        if name == "mp":
             print(f"{a.config} activation bytes per layer per s·b·h: {x:.2f} (target ≤ {TARGET:g})")
         else:
-            print(f"  {path}: {x:.2f}")
+            print(f"  {name}: {x:.2f}")
     print(json.dumps({"config": a.config, "seq": a.seq, "per_sbh": out, "target": TARGET,
                       "ok": out["mp"] <= TARGET}))
 

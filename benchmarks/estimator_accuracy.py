@@ -92,7 +92,17 @@ MATRIX: dict[str, dict[str, Any]] = {
     # HSDP (2 replicas x 2): expert units on their holders as (replicas, shard) (mesh.expert_fsdp_mesh)
     "moe-ep2-hsdp": {"parallel.dp": 4, "parallel.ep": 2, "parallel.dp_replicate": 2, "parallel.zero": 2},
     "moe-dp2-zero2": {"parallel.dp": 2, "parallel.zero": 2},
-    # bf16 compute: autocast (single, DDP, TP, PP) and FSDP mixed precision (zero >= 2)
+    # bf16 compute: FSDP2's mixed precision on every layout (wrapping.py): ZeRO-0 as dp*cp replicas of one shard
+    # (single-bf16, ddp*-bf16), ZeRO-1 holding the step, one dp*cp rank at degree 1 (tp2-bf16, pp2-1f1b-bf16)
+    "zero1-dp2-bf16": {"parallel.dp": 2, "parallel.zero": 1, "train.dtype": "bfloat16"},
+    "zero1-dp4-bf16-full": {"parallel.dp": 4, "parallel.zero": 1, "parallel.recompute": "full",
+                            "train.dtype": "bfloat16"},
+    "ddp2-bf16-selective": {"parallel.dp": 2, "train.dtype": "bfloat16", "parallel.recompute": "selective"},
+    "tp2-sp-bf16": {"parallel.tp": 2, "parallel.sp": True, "train.dtype": "bfloat16"},
+    "pp2-ddp2-bf16": {"parallel.pp": 2, "parallel.dp": 2, "train.global_batch": 8, "train.micro_batch": 1,
+                      "train.dtype": "bfloat16"},
+    "moe-ep2-bf16": {"parallel.dp": 2, "parallel.ep": 2, "train.dtype": "bfloat16"},
+    "moe-ep2-zero1-bf16": {"parallel.dp": 4, "parallel.ep": 2, "parallel.zero": 1, "train.dtype": "bfloat16"},
     "zero2-dp2-bf16-selective": {"parallel.dp": 2, "parallel.zero": 2, "train.dtype": "bfloat16",
                                  "parallel.recompute": "selective"},
     "tp2-bf16": {"parallel.tp": 2, "train.dtype": "bfloat16"},

@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/step_overhead.py [--config tiny] [--set model.d_model=256 ...] [--rounds 7]
 
 Both sides run the identical model (build_model), batch (global_batch) and AdamW; the only difference is the
-template's machinery (Parallelized, grad_sync hooks, autocast/loss contexts, micro-batch generator). Rounds
+template's machinery (Parallelized, grad_sync hooks, loss context, micro-batch generator). Rounds
 alternate A/B so drift on a noisy machine hits both equally; the ratio is template/handwritten throughput per
 round, reported as the median. Goal: >= 0.97. Then the same with train.compile=true (parallel/compile.py, each
 block torch.compile'd; compiled once in a warm-up round, not timed): `compiled_ratio`, the compiled template's

@@ -44,10 +44,11 @@ def test_every_moment_is_split_by_the_same_contract_and_the_largest_is_the_estim
 
 
 # One layout per primitive, from benchmarks/estimator_accuracy.py's matrix (its configs and its comparison):
-# DDP (bf16 with one micro-batch: the buckets before any .grad views them), ZeRO-1, ZeRO-2 (bf16: FSDP mixed
-# precision), ZeRO-3, TP (its loss_parallel), PP, EP, CP at two ranks; PP x FSDP (unsharded accumulators) at four.
-LAYOUTS = {2: ["ddp2-mb1-bf16", "zero1-dp2", "zero3-dp2", "zero2-dp2-bf16-selective", "tp2", "pp2-1f1b", "moe-ep2",
-               "cp2"],
+# DDP (fp32: its buckets are the grads), bf16's ZeRO-0 replicas on FSDP2 (one micro-batch: the head reduced, its
+# input kept), ZeRO-1, ZeRO-2 (bf16: FSDP mixed precision), ZeRO-3, TP (its loss_parallel), PP, EP, CP at two
+# ranks; PP x FSDP (unsharded accumulators) at four.
+LAYOUTS = {2: ["ddp2", "ddp2-mb1-bf16", "zero1-dp2", "zero3-dp2", "zero2-dp2-bf16-selective", "tp2", "pp2-1f1b",
+               "moe-ep2", "cp2"],
            4: ["pp2-dp2-zero3"]}
 # Model states and named buffers are filed to the byte, the loss gradients within 1% of themselves (TP's
 # loss_parallel adds index tensors), the op-granular transients within 2% of the peak.

@@ -86,7 +86,7 @@ def test_every_planted_bug_fails_on_its_natural_layout_and_is_named(tmp_path):
     for name in ("mid-layer-forward", "tp-partial-sum-1pct"):  # forward bugs located by the forward activations
         assert by[name].worst_parameter.name == "act[step 0] layers.2", by[name].worst_parameter
     assert any(f.startswith("rank loss step 0, rank 0") for f in by["cp-loss-unreduced"].failures)
-    for name in ("ddp-reduce-bf16", "fsdp-reduce-bf16"):  # held to the fp32 bounds against a same-casts reference
+    for name in ("replicate-reduce-bf16", "fsdp-reduce-bf16"):  # held to the fp32 bounds against a same-casts reference
         assert by[name].worst_parameter.name.startswith("grad[step 0]"), by[name].worst_parameter
 
 
@@ -105,7 +105,7 @@ def test_the_catalogue_lists_every_name_with_family_and_layout(capsys):
         "tp-sp-norm-unreduced", "pp-unscaled-grads", "ep-expert-unreduced", "cp-local-lse", "data-same-rows",
         "replica-lr", "zero-grad-noop", "rank-grad-1pct", "unseen-rows-grad", "clip-local-norm-fsdp",
         "clip-local-norm-tp", "ddp-rank-sum", "lr-warmup-restart", "mid-layer-forward", "cp-loss-unreduced",
-        "ddp-reduce-bf16", "fsdp-reduce-bf16", "tp-partial-sum-1pct", "resume-drops-moments", "resume-step-reset",
+        "replicate-reduce-bf16", "fsdp-reduce-bf16", "tp-partial-sum-1pct", "resume-drops-moments", "resume-step-reset",
         "tp-ep-router-unreduced", "tp-ep-tokens-twice",
         "ep-expert-ep-averaged", "hsdp-expert-no-replica-allreduce"]
     assert all(r["family"] and r["breaks"] and r["layout"] for r in listing())

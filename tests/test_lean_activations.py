@@ -21,8 +21,8 @@ from tests.conftest import PRESETS
 TINY = PRESETS / "tiny.yaml"
 PATHS = {  # precision path -> overrides on the tiny preset that select it (wrapping.precision_path)
     "fp32": {},
-    "autocast": {"train.dtype": "bfloat16"},
     "mp": {"train.dtype": "bfloat16", "parallel.dp": 2, "parallel.zero": 3},
+    "mp-one-rank": {"train.dtype": "bfloat16"},  # FSDP2 at degree 1: the same policy, so the same bytes
 }
 
 
@@ -31,37 +31,25 @@ def _saved_block(path: str) -> tuple[int, list[torch.Tensor], int]:
     "mp" runs the block as FSDP2's MixedPrecisionPolicy leaves an unsharded unit: bf16 weights and hidden
     states, the fp32 RoPE tables (cast_forward_inputs=False, parallel/fsdp.py)."""
     cfg = load_config(TINY, PATHS[path])
-    assert layout_of(cfg).precision == path
+    assert layout_of(cfg).precision == path.split("-")[0]
     m, t = cfg.model, cfg.train
     block = Block(m)
     x = torch.randn(t.micro_batch, t.seq_len, m.d_model, requires_grad=True)  # [B, T, D]
     cos, sin = rope_tables(m.d_model // m.n_heads, t.seq_len, m.rope_theta)  # [T, Dh/2]
-    if path == "mp":
+    if path != "fp32":
         block, x = block.to(torch.bfloat16), x.detach().bfloat16().requires_grad_()
-    params = {id(p) for p in block.parameters()}
     skip = {p.untyped_storage().data_ptr() for p in block.parameters()}
     skip |= {cos.untyped_storage().data_ptr(), sin.untyped_storage().data_ptr()}  # acts.py `rope`, shared
     saved: dict[int, torch.Tensor] = {}
 
-    def weight_copy(tensor: torch.Tensor) -> bool:
-        """autocast's bf16 copy of a weight (acts.py `pcopy_layer`), or its transpose: a chain of one-input
-        nodes (cast, t) from a block parameter."""
-        fn = tensor.grad_fn
-        while fn is not None and len(fn.next_functions) == 1:
-            fn = fn.next_functions[0][0]
-            if id(getattr(fn, "variable", None)) in params:
-                return True
-        return False
-
     def pack(tensor: torch.Tensor) -> torch.Tensor:
         ptr = tensor.untyped_storage().data_ptr()
-        if ptr not in skip and not weight_copy(tensor):
+        if ptr not in skip:
             saved[ptr] = tensor
         return tensor
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=path == "autocast"):
-            y = block(x, cos, sin)
+        y = block(x, cos, sin)
     y.float().sum().backward()  # the saved tensors are enough for backward
     total = sum(s.untyped_storage().nbytes() for s in saved.values())
     return total, list(saved.values()), _acts(layout_of(cfg)).layer_full

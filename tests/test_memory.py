@@ -110,14 +110,18 @@ def test_single_process_measurement_is_exact_and_repeatable(one_thread):
     assert sum(a.at_peak.values()) == a.peak and a.cuda_max_allocated is None
 
 
-def test_bf16_autocast_weight_casts_are_parameter_copies(one_thread):
+@pytest.mark.multirank
+def test_bf16_one_rank_holds_fsdp_bf16_units_not_autocast_casts():
+    """bf16 on one rank is FSDP2 at degree 1 (wrapping.py): fp32 masters, and the gathered bf16 copy of every
+    parameter (ZeRO-0 keeps its units gathered for the step) filed as param_copies, where autocast cast only the
+    matmul weights, once per forward. The estimate has the same copies (forkserver: a world of one rank)."""
+    from curry_train.estimator import estimate
+
     cfg = load_config(TINY, {"train.dtype": "bfloat16"})
-    rep = measure_memory(cfg)
-    # autocast casts every matmul weight (all but the embedding and the norms) to bf16 once per forward
-    matmul = sum(p.numel() for n, p in build_model(cfg).named_parameters() if n.endswith(("w1.weight", "w2.weight",
-                 "w3.weight", "wq.weight", "wk.weight", "wv.weight", "wo.weight", "output.weight")))
-    assert rep.param_copies == 2 * matmul
-    assert rep.params == _param_bytes(cfg)  # fp32 master weights
+    (rep,) = launch_forkserver(rank_jobs, 1, [memory_spec(cfg)])[0]
+    assert rep["params"] == _param_bytes(cfg)  # fp32 master weights
+    assert rep["param_copies"] == _param_bytes(cfg) // 2  # a bf16 copy of every parameter, not only the matmuls'
+    assert estimate(cfg).memory.param_copies == rep["param_copies"]
 
 
 def test_a_memory_spec_names_its_job_and_the_template_registry_holds_only_template_jobs():

@@ -55,6 +55,31 @@ def test_resume_is_proven_and_the_planted_resume_bugs_pass_the_loss_check_but_fa
     assert any(f.startswith("resume position: 1 AdamW step counter(s)") for f in reset.failures)
 
 
+@pytest.mark.multirank
+def test_bf16_pairs_of_the_former_autocast_layouts_resume_into_fsdp_and_back(tmp_path):
+    """Every bf16 layout makes FSDP2's casts (wrapping.py), so a pair of DDP-era (ZeRO-0, ZeRO-1) and FSDP layouts
+    is comparable (they were refused while ZeRO-0/1 ran autocast); resharding bf16 ZeRO-0's replicas into ZeRO-3
+    shards and ZeRO-3 into ZeRO-1's held step is bitwise."""
+    from curry_train.validation.resume import layout_from, resume_batch
+
+    bf16 = {"train.dtype": "bfloat16"}
+    pairs = [(_cfg({**DDP, **bf16}), _cfg({**ZERO3, **bf16})), (_cfg({**ZERO3, **bf16}), _cfg({**ZERO1, **bf16}))]
+    for a, b in pairs:
+        assert layout_from(b, a) is a  # not refused: the same casts and the same (fp32) bounds
+    for v in resume_batch(pairs, out_dir=tmp_path):
+        assert v.passed, v.failures
+        assert v.bound_use["resume_saved_bitwise"] == v.bound_use["resume_loaded_bitwise"] == 0.0
+        assert v.tolerance["update_rtol"] == 1e-3 and max(v.bound_use.values()) < 0.5, v.bound_use
+
+
+def test_bf16_pairs_held_to_different_bounds_are_refused():
+    from curry_train.validation.inject import WhiteboxInputError
+    from curry_train.validation.resume import layout_from
+
+    with pytest.raises(WhiteboxInputError, match="same bounds"):
+        layout_from(_cfg({**TP2, "train.dtype": "bfloat16"}), "dp=2,zero=3")
+
+
 def test_resume_bugs_need_a_resume_and_a_real_tensor():
     cfg = _cfg(TP2)
     assert CATALOGUE["resume-drops-moments"].family == CATALOGUE["resume-step-reset"].family == "resume"

@@ -37,9 +37,9 @@ def _layout_for(dtype: str = "bfloat16", **parallel):
     return layout_of(cfg)
 
 
-def _bytes_per_param(zero: int, d: int) -> float:
+def _bytes_per_param(zero: int, d: int, dtype: str = "bfloat16") -> float:
     """Stored params + grads + AdamW state over the model's parameters, per rank (the estimator's states)."""
-    x = _layout_for(dp=d, zero=zero)
+    x = _layout_for(dtype, dp=d, zero=zero)
     st = _states(x, stage_ids(x, 0))
     n = _states(replace_layout(x, dp=1, zero=0), [0]).n_local
     return (st.params + st.grads_full + st.opt) / n
@@ -79,15 +79,17 @@ def test_zero_bytes_per_param_match_the_estimator(path, first, col, d):
 
 def test_the_dp8_example_matches_the_estimator():
     text = " ".join(DIST_OPT.read_text(encoding="utf-8").split())
-    assert "16/8 = 2.0 bytes of stored model state per parameter per rank with zero=2 or zero=3" in text
-    assert "8 + 8/8 = 9.0 with zero=1" in text
-    assert round(_bytes_per_param(2, 8), 1) == round(_bytes_per_param(3, 8), 1) == 2.0
-    assert round(_bytes_per_param(1, 8), 1) == 9.0
+    assert "16/8 = 2.0 bytes of stored model state per parameter per rank with zero=1, 2 or 3 in bfloat16" in text
+    assert "8 + 8/8 = 9.0 with zero=1 in float32" in text
+    assert round(_bytes_per_param(1, 8), 1) == round(_bytes_per_param(2, 8), 1) == round(_bytes_per_param(3, 8), 1) \
+        == 2.0  # bf16: ZeRO-1 is FSDP2 holding the step (wrapping.py)
+    assert round(_bytes_per_param(1, 8, "float32"), 1) == 9.0  # fp32: DDP + ZeroRedundancyOptimizer
 
 
 def test_zero1_and_zero2_communication_is_what_the_template_does():
     row = _rows(DIST_OPT, "`parallel.zero`")
-    assert "broadcast" in row["1"][4] and "all-reduce" in row["1"][4]  # DDP + ZeroRedundancyOptimizer
+    assert "all-gather" in row["1"][4] and "reduce-scatter" in row["1"][4]  # bf16: FSDP2 holding the step
+    assert "broadcast" in row["1"][4] and "all-reduce" in row["1"][4]  # fp32: DDP + ZeroRedundancyOptimizer
     assert "SHARD_GRAD_OP" in row["2"][4]  # FSDP2 reshard_after_forward=False
 
 
@@ -128,12 +130,14 @@ def test_recompute_activation_factors_match_the_estimator():
         assert [int(c) for c in claimed] == got, dtype
 
 
-def test_full_recompute_keeps_four_sbh_bytes_divided_by_tp_under_sp():
-    for path in (RECOMPUTE, DECISION, TP_MATH):
-        assert "4·s·b·h" in path.read_text(encoding="utf-8"), path
-    assert _saved_per_sbh(recompute="full") == 4.0
+def test_full_recompute_keeps_two_sbh_bytes_in_bf16_four_in_fp32_divided_by_tp_under_sp():
+    for path in (RECOMPUTE, DECISION, TP_MATH):  # bf16's residual stream is bf16 (FSDP2's policy, no autocast)
+        text = path.read_text(encoding="utf-8")
+        assert "2·s·b·h" in text and "4·s·b·h in fp32" in text, path
+    assert _saved_per_sbh(recompute="full") == 2.0
+    assert _saved_per_sbh("float32", recompute="full") == 4.0
     for t in (2, 4, 8):
-        assert _saved_per_sbh(recompute="full", tp=t, sp=True, zero=3) == 4.0 / t
+        assert _saved_per_sbh(recompute="full", tp=t, sp=True, zero=3) == 2.0 / t
 
 
 def test_recompute_flops_match_the_estimator():

@@ -7,7 +7,7 @@ between an estimate bar and a measured bar is a real disagreement, never a filin
 (benchmarks/estimator_accuracy.py holds every category to the totals' band; docs/ESTIMATION.md "One memory model"):
 
   params        persistent parameters the optimizer updates (full, TP-local, or this rank's FSDP shard)
-  param_copies  working copies of parameters: FSDP's all-gathered units, autocast's bf16 weight casts
+  param_copies  working copies of parameters: FSDP's all-gathered units (bf16 under its policy), casts of a parameter
   grads         the gradient storage the optimizer reads: the `.grad` tensors (full, TP-local, or the FSDP shard);
                 under DDP's gradient_as_bucket_view the flat buckets themselves, from the wrap on, whether or
                 not a .grad views them at that moment (after zero_grad, before the first backward)
@@ -40,7 +40,7 @@ CATEGORIES = ("params", "param_copies", "grads", "grad_buffers", "optimizer", "a
 
 DESCRIPTIONS = {
     "params": "Persistent parameters the optimizer updates (full, TP-local or the FSDP shard).",
-    "param_copies": "Working copies of parameters: FSDP all-gathered units, autocast bf16 weight casts.",
+    "param_copies": "Working copies of parameters: FSDP all-gathered units, casts of a parameter.",
     "grads": "The gradients the optimizer reads: .grad (full, TP-local or the FSDP shard); DDP's bucket views.",
     "grad_buffers": "FSDP's unsharded gradients / accumulators (DDP buckets only without bucket views).",
     "optimizer": "AdamW state this rank owns.",

@@ -24,7 +24,7 @@ TWO_RANKS = [
     {"parallel.tp": 2, "parallel.sp": True, "parallel.recompute": "full"},
     {"parallel.tp": 2, "parallel.sp": True, "parallel.recompute": "selective"},
     {"parallel.tp": 2, "train.micro_batch": 8},                       # no gradient accumulation
-    {"parallel.tp": 2, "parallel.sp": True, "train.dtype": "bfloat16"},  # autocast; bf16 policy of whitebox.py
+    {"parallel.tp": 2, "parallel.sp": True, "train.dtype": "bfloat16"},  # FSDP2 at degree 1; bf16 bounds of compare.py
 ]
 FOUR_RANKS = [
     {"parallel.tp": 4},                                               # one kv head per rank

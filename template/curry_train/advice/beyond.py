@@ -25,7 +25,7 @@ from pydantic import BaseModel, Field
 
 from curry_train.advice.family import FamilyMember, family, member
 from curry_train.config import Config, from_dict
-from curry_train.estimator import Estimate, GiB, estimate, layout_of, load_any, param_count, with_gpu
+from curry_train.estimator import GiB, estimate, layout_of, load_any, model_states, param_count, with_gpu
 from curry_train.estimator.peak import step_moments
 from curry_train.estimator.profiles import get_profile
 
@@ -128,9 +128,11 @@ def _single(cfg: Config, **train: Any) -> Config:
     return from_dict(raw, validate=False)
 
 
-def _states(e: Estimate) -> int:
-    m = e.memory
-    return m.params + m.param_copies + m.grads + m.grad_buffers + m.optimizer
+def _states(cfg: Config) -> int:
+    """The model states alone: params, the gradients the optimizer reads and AdamW state (estimator.model_states),
+    not the peak moment's split (with fused AdamW on CUDA the peak can be in a backward where some gradients do
+    not exist yet)."""
+    return sum(model_states(cfg).values())
 
 
 def _fits(cfg: Config, usable: int, hw: Any) -> tuple[bool, int]:
@@ -156,7 +158,6 @@ def _largest(lo: int, fits: Any, cap: int) -> int | None:
 def what_fits(cfg: Config, usable: int, hw: Any) -> WhatFits:
     """The largest family model, micro-batch and sequence this template fits on one GPU (full recompute)."""
     base = _single(cfg)
-    e = estimate(base, hardware=hw)
     best, best_peak = None, None
     for sec in reversed(family(base, SMALLER_WIDTHS, SMALLER_DEPTHS)):  # largest first
         c = from_dict({**base.to_dict(), "model": sec}, validate=False)
@@ -166,7 +167,7 @@ def what_fits(cfg: Config, usable: int, hw: Any) -> WhatFits:
             break
     mb = _largest(1, lambda n: _fits(_single(cfg, micro_batch=n), usable, hw)[0], 1 << 14)
     seq = _largest(1, lambda n: _fits(_single(cfg, micro_batch=1, seq_len=128 * n), usable, hw)[0], 1 << 12)
-    return WhatFits(largest_model=best, largest_model_peak_bytes=best_peak, model_state_bytes=_states(e),
+    return WhatFits(largest_model=best, largest_model_peak_bytes=best_peak, model_state_bytes=_states(base),
                     max_micro_batch=mb, max_seq_len=None if seq is None else 128 * seq)
 
 

@@ -10,11 +10,9 @@ Dtype policy (train.dtype = float32 | bfloat16):
   master params fp32 (4 B), grads fp32 (4 B), AdamW exp_avg + exp_avg_sq fp32 (8 B), plus a 4-byte `step`
   tensor per parameter tensor (counted on CPU only: AdamW keeps it on the host unless capturable/fused).
   compute fp32: every activation 4 B.
-  compute bf16, no FSDP (single process, DDP, ZeRO-1, TP, PP): torch.autocast. The residual stream and the
-    RMSNorm inputs/outputs stay fp32 (the embedding is not autocast, and fp32 + bf16 = fp32); every Linear
-    saves a *bf16 copy* of its input (wq, wk and wv each cast the same input: three copies) and of its weight.
-  compute bf16 under FSDP (zero >= 2 with dp*cp > 1): MixedPrecisionPolicy(bf16 params, fp32 reduce). The
-    stream is bf16, RMSNorm saves its fp32 upcast and a bf16 normalised copy, weights are gathered in bf16.
+  compute bf16: every layout is FSDP2 with MixedPrecisionPolicy(bf16 params, fp32 reduce) (wrapping.py: ZeRO-0
+    as dp*cp replicas of one shard, ZeRO-1 holding the step, one dp*cp rank at degree 1; no autocast). The
+    stream is bf16, RMSNorm saves its bf16 input and the fp32 rstd, weights are gathered in bf16.
   logits: compute dtype; the model computes the loss in its forward, in train.loss_chunks token chunks (0 =
     auto, ceil(V/D): model/gpt.py chunked_lm_loss), each an activation checkpoint: only one chunk's fp32
     log_softmax and its two fp32 gradients exist at a time; the logits themselves are never kept.
@@ -256,9 +254,8 @@ def resolve_hardware(cfg: Config, hardware: str | HardwareProfile | None = None,
 
 def dtype_policy(cfg: Config) -> str:
     layout = layout_of(cfg)
-    mech = {"fp32": "fp32 compute", "autocast": "bf16 compute via torch.autocast (fp32 residual stream, bf16 "
-            "copies of each Linear's input and weight saved)", "mp": "bf16 compute via FSDP2 MixedPrecisionPolicy "
-            "(bf16 gathered params and stream, fp32 reduce-scatter)"}[layout.precision]
+    mech = {"fp32": "fp32 compute", "mp": "bf16 compute via FSDP2 MixedPrecisionPolicy (bf16 gathered params "
+            "and stream, fp32 gradient reduction)"}[layout.precision]
     return f"fp32 master params, fp32 grads, AdamW fp32 exp_avg + exp_avg_sq (16 B/param); {mech}"
 
 

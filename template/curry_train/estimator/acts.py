@@ -1,6 +1,6 @@
 """Activation bytes of one micro-batch on one rank, by what holds them: what autograd saves per op, under each
-dtype path, recompute mode, TP/SP, CP ring attention and MoE (part of curry_train.estimator; measured on torch 2.13
-CPU with saved-tensor hooks, see estimate.py's docstring).
+dtype path (fp32, or bf16 under FSDP2's policy), recompute mode, TP/SP, CP ring attention and MoE (part of
+curry_train.estimator; measured on torch 2.13 CPU with saved-tensor hooks, see estimate.py's docstring).
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from curry_train.config import loss_chunk_count
-from curry_train.estimator.layout import Layout, _block_tensors, block_matmuls
+from curry_train.estimator.layout import Layout, block_matmuls
 from curry_train.estimator.mla import mla_core_out_width, mla_matmuls, mla_saved
 from curry_train.sac_rule import saved_matmuls
 
@@ -25,8 +25,6 @@ class _Acts:
     prod: int  # the SwiGLU product w2 saves (freed by the first op of a block's backward)
     ffn_bwd: int  # the FFN backward's working set: dprod + dsilu + dup (three [n, F] gradients)
     norm_bwd: int  # lean.py RMSNorm backward's working set: fp32 normalised input, its gradient, one product
-    pcopy_layer: int  # autocast: bf16 copies of one layer's weights (memory.py: param_copies)
-    pcopy_head: int  # autocast: bf16 copy of the LM head weight
     embed: int  # token ids (+ TP's masked ids and mask)
     head: int  # final norm's saved tensors and the head's input
     lsm: int  # fp32 log_softmax output saved by the loss (of one chunk when the loss is chunked)
@@ -62,9 +60,8 @@ def _acts(layout: Layout) -> _Acts:
     Dq, Dkv = Hl * Dh, Gl * Dh
     Fl = layout.d_ff // t
     Vl = layout.vocab_size // t
-    path = layout.precision
-    c = 4 if path == "fp32" else 2  # compute bytes
-    r = 2 if path == "mp" else 4  # residual-stream bytes
+    path = layout.precision  # fp32 | mp (wrapping.precision_path: bf16 is FSDP2's policy, the stream bf16 too)
+    c = r = 4 if path == "fp32" else 2  # compute and residual-stream bytes
     cp_ring = layout.cp > 1
     # attention core: SDPA (GQA inside the kernel, enable_gqa) and ring attention (CP, fused kernels with their
     # LSE: flash on CPU, memory-efficient elsewhere) both save q, the un-repeated k, v, out and the fp32 lse.
@@ -75,17 +72,13 @@ def _acts(layout: Layout) -> _Acts:
         attn = mla_saved(layout, n, c) - wo_in
     # model/lean.py RMSNorm saves its input (residual dtype) and the fp32 rstd [n, 1], for each of the 2 norms
     norms = 2 * nn_ * (r * D + 4)
-    if path == "autocast":
-        # bf16 casts: one per wq, wk, wv (MLA: wq or wq_a, and wkv_a); one per w1, w3
-        y1, y2 = (2 if layout.mla else 3) * 2 * n * D, 2 * 2 * n * D
-    else:  # the norm's output, shared by wq, wk, wv (w1, w3)
-        y1, y2 = c * n * D, c * n * D
+    y1 = y2 = c * n * D  # the norm's output, shared by wq, wk, wv (w1, w3)
     if layout.num_experts:
         # TP + EP (layout.ep_over_tp): the MoE routes this rank's nn_ = n/t tokens, the norm's local output; the
         # shared expert all-gathers it to n rows (kept for its w1 / w3 backward, as a dense FFN's)
         nm = layout.moe_tokens
-        gathered = c * n * D if layout.ep_over_tp and layout.shared_d_ff and path != "autocast" else 0
-        ffn = _moe_saved(layout, nm, path, n) + (c * nm * D if path != "autocast" else 0) + gathered
+        gathered = c * n * D if layout.ep_over_tp and layout.shared_d_ff else 0
+        ffn = _moe_saved(layout, nm, path, n) + c * nm * D + gathered
         _, Sk = _moe_slots(layout, nm)
         # what is freed by the time the experts' SwiGLU backward runs: their product, and the shared expert's
         # saved tensors (its branch is recorded after the routed one, so autograd runs its backward first)
@@ -108,12 +101,6 @@ def _acts(layout: Layout) -> _Acts:
         saved = stream + _selective_saved(layout, n, nn_, c, path)
     else:
         saved = full
-    pcopy = 0
-    if path == "autocast":
-        lin = sum(d0 * rest for d0, rest, _, _ in _block_tensors(layout) if rest > 1)
-        if layout.num_experts:  # the router runs in fp32 (no cast); expert slices are cast one by one, all kept
-            lin -= layout.num_experts * D
-        pcopy = 2 * lin
     embed = n * 8 + (n * 9 if t > 1 else 0)  # ids; TP's vocab-parallel lookup keeps masked ids and a mask
     head = nn_ * (r * D + 4) + c * n * D  # the final norm's input and rstd, the head's (compute dtype) input
     # model/gpt.py chunked_lm_loss: k checkpointed chunks of at most nc tokens; only one chunk's logits,
@@ -121,8 +108,7 @@ def _acts(layout: Layout) -> _Acts:
     k = loss_chunk_count(layout.loss_chunks, n, layout.vocab_size, layout.d_model)
     nc = -(-n // k)
     return _Acts(layer_saved=saved, layer_full=full, ffn_saved=ffn, prod=prod, ffn_bwd=ffn_bwd,
-                 norm_bwd=12 * nn_ * D + 4 * nn_, pcopy_layer=pcopy,
-                 pcopy_head=2 * Vl * D if path == "autocast" else 0, embed=embed, head=head, lsm=4 * nc * Vl,
+                 norm_bwd=12 * nn_ * D + 4 * nn_, embed=embed, head=head, lsm=4 * nc * Vl,
                  targets=n * 8, logits=c * nc * Vl, grad_logits=c * nc * Vl, dy_head=c * n * D,
                  grad_logits_all=c * n * Vl, chunks=k, chunk_targets=nc * 8,
                  rope=2 * T * (layout.rope_dim // 2) * 4, stream=stream, d_stream=stream,
@@ -159,7 +145,7 @@ def _moe_saved(layout: Layout, n: int, path: str, n_shared: int | None = None) -
     gates, the dispatched rows [S_kept, D] (and a second [S_kept, D] the combine keeps), every expert's SwiGLU
     intermediates (4 F per kept slot), the combine's rows [S, D] and weights. EP trades rows, it does not
     remove them (uniform routing assumed: each rank receives as many rows as it sends). The router runs in
-    fp32 whatever the compute dtype, so under autocast it keeps the fp32 norm output."""
+    fp32 whatever the compute dtype: in bf16 it keeps fp32 upcasts of its input and weight."""
     S, Sk = _moe_slots(layout, n)
     D, F, E, K = layout.d_model, layout.d_ff, layout.num_experts, layout.top_k
     router = n * E * 4 + n * K * (8 + 4 + 4) + n * 4 + (n * E * 4 if layout.has_z_loss else 0)
@@ -170,9 +156,7 @@ def _moe_saved(layout: Layout, n: int, path: str, n_shared: int | None = None) -
     rows = 2 * Sk * D * c + Sk * 4 * F * c + S * D * c
     if layout.ep > 1:  # received rows are permuted into expert order and back: index_copy keeps one more [R, D]
         rows += Sk * D * c
-    if path == "autocast":
-        rows += Sk * D * c + n * K * c + n * D * 4  # each expert casts its rows twice (w1, w3); fp32 router input
-    elif path == "mp":
+    if path == "mp":
         rows += n * D * 4 + E * D * 4 + n * K * c  # the router's fp32 upcasts of its input and weight
     return router + idx + rows + _shared_saved(layout, n if n_shared is None else n_shared, path)
 
@@ -180,12 +164,12 @@ def _moe_saved(layout: Layout, n: int, path: str, n_shared: int | None = None) -
 def _shared_saved(layout: Layout, n: int, path: str) -> int:
     """The shared expert (a SwiGLU of width Fs over all n tokens, moe.MoE.shared_experts, gpt.FeedForward): w1 and
     w3 outputs and the product, as a dense FFN's (model/lean.py's SwiGLU rebuilds silu in backward); its input is
-    the router's (already counted), except that autocast casts it once per w1 / w3."""
+    the router's (already counted)."""
     Fs = layout.shared_d_ff // layout.tp  # TP-split like a dense SwiGLU
     if not Fs:
         return 0
     c = 4 if path == "fp32" else 2
-    return n * 3 * Fs * c + (2 * 2 * n * layout.d_model if path == "autocast" else 0)
+    return n * 3 * Fs * c
 
 
 def _selective_saved(layout: Layout, n: int, nn_: int, c: int, path: str) -> int:
@@ -193,7 +177,7 @@ def _selective_saved(layout: Layout, n: int, nn_: int, c: int, path: str) -> int
     (curry_train/sac_rule.py, in layout.block_matmuls' order; the fp32 router's in fp32), the fused attention's out
     [n, Dq] and fp32 logsumexp [n, Hl], SP's two reduce-scatter outputs [n/t, D]; MoE: the router's top-k values
     (fp32) and ids (int64) [n, K] and, with ep > 1, the dispatch and combine all-to-all outputs [S_kept, D] (the
-    dispatched rows in the norm's dtype, fp32 under autocast; the combined rows in the compute dtype)."""
+    dispatched rows and the combined rows in the compute dtype)."""
     Hl, D = layout.n_heads // layout.tp, layout.d_model
     El = layout.num_experts // layout.ep if layout.num_experts else 1
     nm = layout.moe_tokens if layout.num_experts else n  # TP + EP: this rank's T/tp shard
@@ -207,5 +191,5 @@ def _selective_saved(layout: Layout, n: int, nn_: int, c: int, path: str) -> int
     if layout.num_experts:
         moe = nm * layout.top_k * (4 + 8)
         if layout.ep > 1:
-            moe += Sk * D * ((2 if path == "mp" else 4) + c)
+            moe += Sk * D * 2 * c
     return int(kept) + core + rs + moe

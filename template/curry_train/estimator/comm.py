@@ -201,19 +201,20 @@ def _comm(layout: Layout, hw: HardwareProfile, t_compute: float) -> list[CommIte
 
 
 def _fsdp(layout: Layout, units: int, layers: int, add, head: int = 0, embed: bool = True) -> None:
-    """FSDP2 (zero 1 under TP, 2, 3) and HSDP collectives. Without PP the template reduce-scatters every micro-step
-    (parallelize._grad_sync_fn) and FSDP re-gathers per micro-batch: zero 3 in forward and again in backward
-    (reshard_after_forward), zero 2 once. Under PP, torch's schedule keeps the unit gathered after each backward
-    but the last (set_reshard_after_backward) and reduce-scatters once: zero 3 re-gathers for each backward
-    (m + 1 in all), zero 2 gathers once. Units held across micro-batches without PP (fsdp.holds_step) gather
+    """FSDP2 (every bf16 layout; fp32 zero 1 under TP, 2, 3) and HSDP collectives. Without PP the template
+    reduce-scatters every micro-step (parallelize._grad_sync_fn) and FSDP re-gathers per micro-batch: zero 3 in forward
+    and again in backward (reshard_after_forward), zero 2 once. Under PP, torch's schedule keeps the unit gathered after
+    each backward but the last (set_reshard_after_backward) and reduce-scatters once: zero 3 re-gathers for each
+    backward (m + 1 in all), zero 2 gathers once. Units held across micro-batches without PP (fsdp.holds_step) gather
     once; ZeRO-1 on FSDP2 also reduce-scatters once (Megatron's distributed optimizer: one reduce-scatter of the
-    gradients and one all-gather of the parameters per step, the volume of one all-reduce). HSDP (dp_replicate
-    r > 1): the shard group is dp*cp / r ranks; the reduced shard is then all-reduced across the r replicas.
+    gradients and one all-gather of the parameters per step, the volume of one all-reduce). HSDP (dp_replicate r > 1,
+    and bf16 ZeRO-0 with r = dp*cp and shard groups of one rank, which FSDP2 copies instead of collecting): the shard
+    group is dp*cp / r ranks; the reduced shard is then all-reduced across the r replicas.
     Units (fsdp_units.py): the blocks, the embedding (`embed`) and [norm, output] (`head`: its gathered bytes),
     which is not re-gathered in backward unless parallel.fsdp_reshard=always; zero 3 under PP re-gathers only
     under always (layout.reshards_blocks)."""
     m, cb = layout.n_micro_batches, (2 if layout.precision == "mp" else 4)
-    r = layout.dp_replicate if layout.dp_replicate > 1 and layout.dpcp % layout.dp_replicate == 0 else 1
+    r = layout.replicas if layout.replicas > 1 and layout.dpcp % layout.replicas == 0 else 1
     shard = layout.dpcp // r
     link, rails = _span_link(layout, shard, layout.tp), _rails(layout, shard, layout.tp)
     n_units = layers + int(embed) + int(head > 0)
@@ -253,8 +254,8 @@ def _fsdp(layout: Layout, units: int, layers: int, add, head: int = 0, embed: bo
     rs_bytes, rs_calls = 4 * units // cb + extra_rs[0], n_units + extra_rs[1]
     add("fsdp", "reduce_scatter", shard, rs_bytes * syncs, rs_calls * syncs, link, rs_window,
         critical=first, rails=rails)
-    if r > 1:
-        add("hsdp", "all_reduce", r, rs_bytes // shard * syncs, rs_calls * syncs,
+    if r > 1:  # HSDP's replicas, or bf16 ZeRO-0's (each rank a replica of the one shard: DDP's all-reduce)
+        add("dp" if layout.zero == 0 else "hsdp", "all_reduce", r, rs_bytes // shard * syncs, rs_calls * syncs,
             _span_link(layout, r, shard * layout.tp), rs_window, rails=_rails(layout, r, shard * layout.tp))
 
 
@@ -308,7 +309,7 @@ def _stage_costs(layout: Layout, hw: HardwareProfile) -> tuple[float, float, flo
     """Busy seconds per step of this rank's dp x cp x tp share of (all blocks, LM head + loss, embedding), by
     estimator/compute.py. Blocks: the Linears' executed FLOPs at their shapes' GEMM efficiency, the causal
     attention core at the fused kernel's efficiency for its block length (CP's ring at the peak of the dtype its
-    kernel runs in, ring_attention_dtype), the element-wise passes and autocast's per-parameter passes by bytes.
+    kernel runs in, ring_attention_dtype), the element-wise passes and the weight-gradient writes by bytes.
     The last stage's head: its GEMM plus the loss (log_softmax forward + backward: ~4 fp32 passes over
     [tokens, V/tp], memory-bound). The first stage's embedding: its dense [V/tp, D] fp32 gradient (zero-fill +
     index-add per micro-batch, memory-bound)."""
@@ -386,7 +387,7 @@ def _step_time(layout: Layout, hw: HardwareProfile) -> tuple[StepTime, list[Comm
     exposed = sum(i.exposed_s for i in items)
     st = _states(layout, stage_ids(layout, 0))
     stepped = st.n_stored
-    if shards_optimizer_only(layout.dp, layout.cp, layout.zero, layout.tp):  # ZeRO-1 steps its 1/owners share
+    if shards_optimizer_only(layout.dp, layout.cp, layout.zero, layout.tp, layout.dtype):  # ZeRO-1: its 1/owners share
         experts = st.n_local - st.ddp_buckets // 4 if layout.num_experts and layout.ep > 1 else 0
         stepped = (st.n_local - experts) / layout.dpcp + experts / ((layout.dp // layout.ep) * layout.cp)
     t_opt = 28.0 * stepped / (hw.mem_bw_gbps * 1e9)

@@ -18,9 +18,9 @@ step:
              a fused kernel (FlashAttention-2, Dao 2023 Fig. 4) reaches its plateau from a few thousand keys per
              block and about half of it near 512; s_blk is the keys one kernel call sees (seq_len / cp under CP).
   element    norms, RoPE, casts, SiLU x gate, residual adds (the template's eager kernels, one at a time) and the
-             weight casts / gradient accumulation of autocast, as bytes read + written over mem_bw
-             (`elementwise_bytes`, `param_pass_bytes`): a backward moves about twice a forward's bytes, full and
-             selective recompute replay the forward's.
+             weight-gradient writes, as bytes read + written over mem_bw (`elementwise_bytes`,
+             `param_pass_bytes`): a backward moves about twice a forward's bytes, full and selective recompute
+             replay the forward's. No weight casts: bf16 runs on FSDP2's gathered bf16 units (wrapping.py).
 """
 
 from __future__ import annotations
@@ -132,15 +132,15 @@ def _rope_bytes(b_c: int) -> int:
 
 def elementwise_bytes(layout: Layout) -> float:
     """Bytes one rank's element-wise kernels move per token per layer, forward, backward and replays included: the
-    template's eager ops one kernel at a time (model/gpt.py), b_s the residual stream's bytes (4 under autocast
-    and fp32, 2 under FSDP's bf16 policy), b_c the compute dtype's, widths TP-local, norms and residual adds on
+    template's eager ops one kernel at a time (model/gpt.py), b_s the residual stream's bytes (4 in fp32, 2 under
+    FSDP's bf16 policy), b_c the compute dtype's, widths TP-local, norms and residual adds on
     1/tp of the tokens under SP. Forward per token: 2 RMSNorms (_norm_bytes x D); RoPE on q and k (_rope_bytes);
     the GQA repeat of k and v (read kv, write q, when G < H); the transpose copy before wo (2 b_c q); SiLU and the
-    gate product (5 b_c F); 2 residual adds (2 b_s + b_c) D; under autocast the casts of the 5 input projections'
-    inputs 5 (b_s + b_c) D. Backward BACKWARD_BYTES x the forward; full and selective recompute replay the
+    gate product (5 b_c F); 2 residual adds (2 b_s + b_c) D. Backward BACKWARD_BYTES x the forward; full and
+    selective recompute replay the
     forward (selective reruns exactly these ops, parallel/recompute.py)."""
     b_c = 4 if layout.dtype == "float32" else 2
-    b_s = 4 if layout.precision in ("fp32", "autocast") else 2
+    b_s = 4 if layout.precision == "fp32" else 2
     t = layout.tp
     D, q, kv = layout.d_model, layout.n_heads * layout.head_dim / t, layout.n_kv_heads * layout.head_dim / t
     if layout.num_experts:  # SwiGLU widths one token passes, averaged over the MoE and the dense first blocks
@@ -152,8 +152,6 @@ def elementwise_bytes(layout: Layout) -> float:
     seq_share = 1 / t if layout.sp else 1.0
     fwd = (2 * _norm_bytes(b_s) + 2 * (2 * b_s + b_c)) * D * seq_share + _rope_bytes(b_c) * (q + kv) + \
         2 * b_c * q + 5 * b_c * F
-    if layout.precision == "autocast":
-        fwd += 5 * (b_s + b_c) * D
     if layout.n_kv_heads < layout.n_heads:
         fwd += b_c * (2 * kv + 2 * q)
     replays = 1 if layout.recompute in ("full", "selective") else 0
@@ -161,12 +159,9 @@ def elementwise_bytes(layout: Layout) -> float:
 
 
 def param_pass_bytes(layout: Layout) -> float:
-    """Bytes per local parameter per micro-batch outside the GEMMs: autocast casts each fp32 weight to bf16 in
-    every forward (read 4, write 2; a full recompute casts again) and turns the bf16 weight gradient into fp32 and
-    accumulates it into .grad (read 2, write 4, read 4 + 4, write 4). FSDP's mixed precision hands the GEMMs
-    gathered bf16 weights and reduce-scatters the bf16 gradient (its own collectives): only the gradient write."""
-    if layout.precision == "autocast":
-        return 6.0 * (2 if layout.recompute == "full" else 1) + 18.0
+    """Bytes per local parameter per micro-batch outside the GEMMs: the weight gradient's write. bf16 runs on
+    FSDP2's gathered bf16 units (wrapping.py), which reduce the bf16 gradient in their own collectives: 2 B; fp32
+    writes and accumulates into .grad in place: 8 B. No layout casts its weights per forward (no autocast)."""
     return 2.0 if layout.precision == "mp" else 8.0
 
 

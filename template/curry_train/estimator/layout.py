@@ -15,7 +15,7 @@ from curry_train.fsdp_units import reshard_after_forward
 from curry_train.pipeline_split import layers_per_stage, stage_layer_range
 from curry_train.rules import ep_spans_tp
 from curry_train.sac_rule import saved_matmuls
-from curry_train.wrapping import data_parallel_wrapper, expert_replicas, fsdp_holds_step
+from curry_train.wrapping import data_parallel_wrapper, expert_replicas, fsdp_holds_step, fsdp_replicas, precision_path
 
 GiB = 2**30
 
@@ -70,15 +70,20 @@ class Layout:
     fsdp_reshard: str = "default"  # parallel.fsdp_reshard: when zero-3 units reshard after forward (fsdp_units.py)
 
     @cached_property  # (read in the planner's hot loops; the fields are frozen)
+    def replicas(self) -> int:
+        """FSDP2's replica groups over dp*cp (wrapping.fsdp_replicas: HSDP's, bf16 ZeRO-0's dp*cp; else 1)."""
+        return fsdp_replicas(self.dp, self.cp, self.zero, self.tp, self.dtype, self.dp_replicate)
+
+    @cached_property  # (read in the planner's hot loops; the fields are frozen)
     def shard(self) -> int:
-        """Ranks a dense parameter is FSDP-sharded over: dp*cp, or dp*cp/dp_replicate under HSDP."""
-        return self.dpcp // self.dp_replicate
+        """Ranks a dense parameter is FSDP-sharded over: dp*cp, divided by the replica groups (HSDP, ZeRO-0)."""
+        return self.dpcp // self.replicas
 
     @cached_property
     def expert_shard(self) -> int:
-        """Ranks an expert shard is FSDP-sharded over: its holders (`edp`), under HSDP those of one
-        replica group (wrapping.expert_replicas; parallel/expert_parallel.py fully_shard_experts)."""
-        return self.edp // (expert_replicas(self.dp, self.cp, self.ep, self.dp_replicate) or 1)
+        """Ranks an expert shard is FSDP-sharded over: its holders (`edp`), under HSDP (or ZeRO-0's replicas)
+        those of one replica group (wrapping.expert_replicas; parallel/expert_parallel.py fully_shard_experts)."""
+        return self.edp // (expert_replicas(self.dp, self.cp, self.ep, self.replicas) or 1)
 
     @property
     def head_dim(self) -> int:
@@ -123,23 +128,31 @@ class Layout:
 
     @cached_property  # (read in the planner's hot loops; the fields are frozen)
     def fsdp(self) -> bool:
-        return data_parallel_wrapper(self.dp, self.cp, self.zero, self.tp) == "fsdp"  # the template's rule, wrapping.py
+        return self.wrapper == "fsdp"
+
+    @cached_property  # (read in the planner's hot loops; the fields are frozen)
+    def wrapper(self) -> str:  # fsdp | ddp | none: the template's rule (wrapping.data_parallel_wrapper)
+        return data_parallel_wrapper(self.dp, self.cp, self.zero, self.tp, self.dtype)
 
     @cached_property  # (read in the planner's hot loops; the fields are frozen)
     def ddp(self) -> bool:
-        return data_parallel_wrapper(self.dp, self.cp, self.zero, self.tp) == "ddp"
+        return self.wrapper == "ddp"
 
     @cached_property  # (read in the planner's hot loops; the fields are frozen)
     def fsdp_defers_reduce(self) -> bool:
-        """FSDP accumulates unsharded fp32 gradients across the step and reduce-scatters once: under PP (torch's
-        schedule) and for ZeRO-1 on FSDP2 under TP (wrapping.fsdp_holds_step)."""
-        return self.fsdp and (self.pp > 1 or fsdp_holds_step(self.dp, self.cp, self.zero, self.tp))
+        """FSDP accumulates unsharded fp32 gradients across the step and reduces once: under PP (torch's
+        schedule) and for ZeRO-0/1 on FSDP2 (wrapping.fsdp_holds_step)."""
+        return self.fsdp and (self.pp > 1 or self.fsdp_holds_step)
+
+    @cached_property  # (read in the planner's hot loops; the fields are frozen)
+    def fsdp_holds_step(self) -> bool:  # ZeRO-0/1 on FSDP2: units and fp32 gradients held for the step (wrapping.py)
+        return fsdp_holds_step(self.dp, self.cp, self.zero, self.tp, self.dtype)
 
     @cached_property  # (read in the planner's hot loops; the fields are frozen)
     def fsdp_holds_units(self) -> bool:
         """Without PP: FSDP keeps every unit gathered across the micro-batches of a step (parallel/fsdp.py
-        holds_step): ZeRO-1 on FSDP2, or zero 2 with parallel.fsdp_keep_gathered."""
-        return self.fsdp and self.pp == 1 and (self.zero == 1 or (self.zero == 2 and self.fsdp_keep_gathered))
+        holds_step): ZeRO-0/1 on FSDP2, or zero 2 with parallel.fsdp_keep_gathered."""
+        return self.fsdp and self.pp == 1 and (self.fsdp_holds_step or (self.zero == 2 and self.fsdp_keep_gathered))
 
     @cached_property  # (read in the planner's hot loops; the fields are frozen)
     def reshards_blocks(self) -> bool:
@@ -154,10 +167,8 @@ class Layout:
 
     @cached_property  # (read in the planner's hot loops; the fields are frozen)
     def precision(self) -> str:
-        """fp32 | autocast | mp: which mixed-precision mechanism computes the model."""
-        if self.dtype == "float32":
-            return "fp32"
-        return "mp" if self.fsdp else "autocast"
+        """fp32 | mp: which mechanism computes the model (wrapping.precision_path: bf16 is FSDP2's policy)."""
+        return precision_path(self.dtype)
 
     @property
     def world(self) -> int:

@@ -60,7 +60,7 @@ class Moment(NamedTuple):
     receive buffers are named in `detail` and leave `other` in estimator._breakdown)."""
 
     phase: str
-    param_copies: int  # gathered FSDP units and autocast's weight casts
+    param_copies: int  # gathered FSDP units
     grads: int
     activations: int
     other: int
@@ -117,10 +117,9 @@ class RankView:
     w2: int  # parameters of the FFN's output projection (experts: all local ones)
     head_numel: int  # LM head weight and final norm, TP-local
     # per chunk: every layer's saved activations (dense first blocks and MoE blocks each at their own size), and
-    # its first layer's; and the autocast weight copies of all this rank's blocks
+    # its first layer's
     chunk_saved: tuple[int, ...] = ()
     first_saved: tuple[int, ...] = ()
-    pcopy_blocks: int = 0
 
 
 def rank_view(layout: Layout, pp_rank: int) -> RankView:
@@ -170,8 +169,7 @@ def rank_view(layout: Layout, pp_rank: int) -> RankView:
                     tp_embed=tp_embed, recompute_extra=rec,
                     block_local=sum(d0 * r_ for d0, r_, _, _ in _block_tensors(layout, dense=not kinds[1])), w2=w2,
                     head_numel=(V // tp) * D + D, chunk_saved=tuple(saved((s_,)) for s_ in stages),
-                    first_saved=tuple(first(s_) for s_ in stages),
-                    pcopy_blocks=sum(n * k.pcopy_layer for n, k in zip(kinds, per_kind)))
+                    first_saved=tuple(first(s_) for s_ in stages))
 
 
 def _fsdp_accumulates(layout: Layout) -> bool:
@@ -195,7 +193,6 @@ class StateView:
     ps: _PipeState
     other: int  # other_base + zero bubble's pending graphs
     acts: int  # forward-created tensors of every in-flight micro-batch
-    param_copies: int  # autocast's weight casts
     head_acts: int  # acts + the head's saved tensors (and logits, where kept)
     logits_alive: int
     lsm_kept: int
@@ -205,24 +202,26 @@ class StateView:
     kept: tuple[bool, ...]  # per chunk: every FSDP unit gathered
     kept_other: int  # bytes of the other chunks' kept units
     own_kept: bool  # the starting chunk's units are all gathered
+    # the step's last micro-batch of a layout that holds its units for the step (parallel/fsdp.py holds_step:
+    # ZeRO-0/1 on FSDP2, fsdp_keep_gathered): its units reshard after their backward and reduce as ZeRO-2's do
+    last: bool = False
 
 
-def state_view(r: RankView, ps: _PipeState) -> StateView:
+def state_view(r: RankView, ps: _PipeState, last: bool = False) -> StateView:
+    """`last`: the step's last micro-batch of a layout holding its units (StateView.last); with one micro-batch
+    that is every one."""
     layout, a, st, lay, held = r.layout, r.a, r.st, r.chunk_layers, ps.held
+    last = layout.fsdp_holds_units and (last or layout.n_micro_batches == 1)
     # zero bubble: each I whose W has not run keeps its graph, with its linears' output gradients (and the
     # head's logits gradient) for the W; the activations are in `held` already
     other = r.other_base + sum(n * (lay[ci] * a.lin_out_grads + (a.grad_logits_all if ci == r.head_chunk else 0))
                                for ci, n in enumerate(ps.pending))
-    k_total = sum(held)
     acts = sum(k * (r.chunk_saved[ci] + a.rope) for ci, k in enumerate(held)) + r.data
     if r.has_embed:  # (a pipeline's ids are views of the concatenated batch: only TP's masks are new)
         acts += held[r.stages.index(0)] * (a.embed - (layout.micro_batch_tokens * 8 if layout.pp > 1 else 0))
     if layout.pp > 1:  # a stage's output stays in the schedule's fwd_cache until its backward (+1, measured)
         outs = sum(k for ci, k in enumerate(held) if r.stages[ci] != r.n_stages - 1)
         acts += (outs + (1 if outs else 0)) * a.stream
-    # autocast caches its weight casts for the whole `with autocast()` region: one set per micro-batch
-    # (train.forward_backward), or one for the whole pipeline step (all micro-batches inside one region)
-    pcopies = (1 if layout.pp > 1 else k_total) * r.pcopy_blocks + (a.pcopy_head if r.has_head else 0)
     lsm_kept = a.lsm if a.chunks == 1 else 0  # a chunked loss keeps a scalar per chunk, not the log-softmax
     if r.has_head and layout.pp > 1:
         k_head = held[r.head_chunk]
@@ -246,6 +245,6 @@ def state_view(r: RankView, ps: _PipeState) -> StateView:
     # a chunk's units gathered from its backward until its next forward (pipeline._kept_units cites torch).
     kept = ps.kept if (r.zero3 and layout.pp > 1 and ps.kept) else (False,) * len(r.stages)
     kept_other = sum(u for ci, u in enumerate(st.chunk_units) if kept[ci] and ci != ps.chunk)
-    return StateView(ps=ps, other=other, acts=acts, param_copies=pcopies, head_acts=head_acts,
+    return StateView(ps=ps, other=other, acts=acts, head_acts=head_acts,
                      logits_alive=logits_alive, lsm_kept=lsm_kept, grads_prev=grads_prev, gbuf_prev=gbuf_prev,
-                     fresh=fresh, kept=kept, kept_other=kept_other, own_kept=kept[ps.chunk])
+                     fresh=fresh, kept=kept, kept_other=kept_other, own_kept=kept[ps.chunk], last=last)

@@ -57,12 +57,15 @@ def _moments(r: RankView, pp_rank: int) -> list[Moment]:
     out: list[Moment] = []
     for ps in states:
         out += _state_moments(r, ps)
+    if layout.fsdp_holds_units and layout.n_micro_batches > 1:  # its last micro-batch reduces (fsdp.holds_step)
+        out += _state_moments(r, states[0], last=True)
     return out + phases.first_layer_backward(r) + phases.root_reduce_scatter(r) + phases.optimizer_step(r)
 
 
-def _state_moments(r: RankView, ps: _PipeState) -> list[Moment]:
-    """The moments at one schedule state: a backward start, a forward end (units kept) or a zero-bubble W."""
-    s = state_view(r, ps)
+def _state_moments(r: RankView, ps: _PipeState, last: bool = False) -> list[Moment]:
+    """The moments at one schedule state: a backward start, a forward end (units kept) or a zero-bubble W;
+    `last`: a held step's last micro-batch (moments.StateView.last)."""
+    s = state_view(r, ps, last)
     if ps.fwd and not any(s.kept):
         return []  # (only zero 3 keeps units a forward could sit next to)
     out = phases.units_gathered_zero_bubble(r, s)

@@ -36,7 +36,7 @@ def units_gathered_zero_bubble(r: RankView, s: StateView) -> list[Moment]:
     p_g, o_g = max((st.chunk_units[c], st.unit_max if lay[c] else root_c), (root_c, root_c), key=sum)
     acts_g = s.head_acts if r.has_head and layout.pp > 1 else s.acts + s.logits_alive
     s.own_kept = True
-    return [Moment("units gathered (zero bubble)", s.param_copies + s.kept_other + p_g, s.grads_prev, acts_g,
+    return [Moment("units gathered (zero bubble)", s.kept_other + p_g, s.grads_prev, acts_g,
                    s.other + o_g, {}, s.gbuf_prev)]
 
 
@@ -47,7 +47,7 @@ def forward_units_kept(r: RankView, s: StateView) -> list[Moment]:
     st, a, ps = r.st, r.a, s.ps
     root_c = st.chunk_roots[ps.chunk]
     acts_f = s.acts + (a.logits if ps.chunk == r.head_chunk else 0)
-    return [Moment("forward (units kept)", s.param_copies + s.kept_other + root_c + st.unit_max, s.grads_prev,
+    return [Moment("forward (units kept)", s.kept_other + root_c + st.unit_max, s.grads_prev,
                    acts_f, s.other + st.unit_max + a.stream, {}, s.gbuf_prev)]
 
 
@@ -57,8 +57,8 @@ def _gathered(r: RankView, s: StateView, past_head: bool = False) -> int:
     after forward) and resharded after it (`past_head`: the blocks' backward)."""
     single = r.fsdp and r.layout.pp == 1
     head = r.st.head_unit if single and r.has_head else 0
-    if r.layout.fsdp_holds_units:  # (fsdp.holds_step: no unit resharded after backward but in the last step)
-        past_head = False
+    if r.layout.fsdp_holds_units and not s.last:  # (fsdp.holds_step: no unit resharded after backward but in the
+        past_head = False  # last micro-batch)
     if r.fsdp and not r.zero3:
         return r.st.all_units - (head if past_head else 0)
     if single and not r.layout.head_reshards:
@@ -67,32 +67,50 @@ def _gathered(r: RankView, s: StateView, past_head: bool = False) -> int:
 
 
 def _head_weight_grads(r: RankView) -> tuple[int, int]:
-    """(dW_out, the chunked loss's summed head-weight gradient): under autocast in the compute dtype the chunks
-    share autocast's cached bf16 cast of the weight, whose backward node sums them before the one cast back."""
+    """(dW_out, the chunked loss's summed head-weight gradient, as large as one chunk's)."""
     layout, a = r.layout, r.a
     w_out = r.grad_bytes * (layout.vocab_size // layout.tp) * layout.d_model
-    if a.chunks == 1:
-        return w_out, 0
-    return w_out, (2 * (layout.vocab_size // layout.tp) * layout.d_model if layout.precision == "autocast" else w_out)
+    return w_out, (0 if a.chunks == 1 else w_out)
 
 
 def _at_head(r: RankView, s: StateView) -> bool:
     return r.has_head and s.ps.chunk == r.head_chunk
 
 
+def _head_reduced(r: RankView, s: StateView) -> tuple[int, int, int]:
+    """(grads, grad_buffers, other) a held step adds once its [norm, output] unit has reduced in the last
+    micro-batch (StateView.last): its fp32 accumulator (TP-local) gone into the fp32 reduce-scatter input, which
+    stays until the next unit's post-backward pops it (reduce_scatter_max_input_buffers = 1), and its sharded
+    output, a .grad. Zeros elsewhere. The chunked loss reduces the unit after its first chunk's backward already
+    (the second forward call registers a second post-backward: comm.py _fsdp)."""
+    if not (s.last and r.fsdp_accum and r.has_head and r.layout.pp == 1):
+        return 0, 0, 0
+    return 4 * r.st.head_stored, -4 * r.head_numel, 4 * (r.st.head_unit // r.compute_bytes)
+
+
+def _head_ar_kept(r: RankView, s: StateView) -> bool:
+    """A held step's replicas (bf16 ZeRO-0) with a chunked loss: the head unit's second reduction in the last
+    micro-batch adds into the .grad its first made, and the replica all-reduce's output stays with the unit until
+    the next unit's post-backward (FSDPParamGroup._all_reduce_state, torch 2.13 foreach_reduce). Measured on the
+    CPU tracker (ddp2-bf16-selective); not seen with one micro-batch (ddp4-bf16)."""
+    return s.last and r.fsdp_accum and r.layout.replicas > 1 and r.a.chunks > 1
+
+
 def loss_backward(r: RankView, s: StateView) -> list[Moment]:
     """The loss backward: log_softmax's gradient next to the nll gradient (two fp32 [n, V/tp]); under TP's
     loss_parallel: the nll gradient, exp(log_softmax) and their sum, plus index masks. Chunked: the last chunk
     backward runs (the first chunk) recomputes its log-softmax; the earlier chunks left their summed head-weight
-    gradient and their [nc, D] input gradients (in the split's input buffer until all chunks are in)."""
+    gradient and their [nc, D] input gradients (in the split's input buffer until all chunks are in); a held
+    step's last micro-batch has reduced the head unit after the first of them (_head_reduced)."""
     if not _at_head(r, s):
         return []
     layout, a = r.layout, r.a
     loss_grads = 3 * a.lsm + 4 * a.chunk_targets if layout.tp > 1 and not layout.num_experts else 2 * a.lsm
     _, w_acc = _head_weight_grads(r)
     chunk_acc = w_acc + a.dy_head if a.chunks > 1 else 0
-    return [Moment("loss backward", s.param_copies + _gathered(r, s), s.grads_prev, s.head_acts + a.lsm - s.lsm_kept,
-                   s.other + loss_grads + chunk_acc, {"loss_grads": loss_grads}, s.gbuf_prev)]
+    dg, db, do = _head_reduced(r, s) if a.chunks > 1 else (0, 0, 0)
+    return [Moment("loss backward", _gathered(r, s), s.grads_prev + dg, s.head_acts + a.lsm - s.lsm_kept,
+                   s.other + loss_grads + chunk_acc + do, {"loss_grads": loss_grads}, s.gbuf_prev + db)]
 
 
 def lm_head_backward(r: RankView, s: StateView) -> list[Moment]:
@@ -105,13 +123,14 @@ def lm_head_backward(r: RankView, s: StateView) -> list[Moment]:
     a = r.a
     w_out, w_acc = _head_weight_grads(r)
     head_grads = a.grad_logits + a.dy_head + w_out if a.chunks == 1 else 3 * w_acc + a.dy_head
-    p2, o2 = s.param_copies + _gathered(r, s), s.other + head_grads
+    dg, db, do = _head_reduced(r, s) if a.chunks > 1 else (0, 0, 0)
+    p2, o2 = _gathered(r, s), s.other + head_grads + do
     if r.zero3 and not s.own_kept:
         if r.layout.pp > 1 or r.layout.head_reshards:  # (the head re-gathered; without PP: only under "always")
             p2 += r.st.head_unit if r.layout.pp == 1 else r.st.root_unit
         o2 += r.st.unit_max
-    return [Moment("LM head backward", p2, s.grads_prev, s.head_acts - s.lsm_kept, o2, {"head_grads": head_grads},
-                   s.gbuf_prev)]
+    return [Moment("LM head backward", p2, s.grads_prev + dg, s.head_acts - s.lsm_kept, o2, {"head_grads": head_grads},
+                   s.gbuf_prev + db)]
 
 
 def _new_grads(r: RankView, s: StateView, new: int) -> tuple[int, int]:
@@ -128,12 +147,13 @@ def _block_backward(r: RankView, s: StateView) -> tuple[int, int, int, int, int]
     Zero bubble: the input backward (I) retains the graph for the weight backward (W), with every linear's
     output gradient of the chunk."""
     layout, st, a = r.layout, r.st, r.a
-    single = r.fsdp and layout.pp == 1 and not r.fsdp_accum  # the head unit reduce-scattered after its backward
+    # the head unit reduce-scattered after its backward (a held step: in its last micro-batch)
+    single = r.fsdp and layout.pp == 1 and (not r.fsdp_accum or s.last)
     head_grads = r.grad_bytes * r.head_numel if _at_head(r, s) and s.fresh and not single else 0
     g3, b3 = _new_grads(r, s, head_grads + (r.grad_bytes * r.w2 if s.fresh else 0))
     gathering = r.zero3 and not s.own_kept
     root = st.root_unit if layout.pp > 1 else 0  # without PP the embedding is gathered for its backward only
-    p3 = s.param_copies + (_gathered(r, s, True) + (root + st.unit_max if gathering else 0) if r.fsdp else 0)
+    p3 = (_gathered(r, s, True) + (root + st.unit_max if gathering else 0) if r.fsdp else 0)
     # a chunk without the head receives its output gradient into the pipeline's receive buffer (pp_buffers):
     # no fresh [n, D] gradient in `other` until its last block's backward makes one
     d_out = a.d_stream if layout.pp == 1 or _at_head(r, s) else 0
@@ -144,6 +164,10 @@ def _block_backward(r: RankView, s: StateView) -> tuple[int, int, int, int, int]
         o3 += 4 * (st.head_unit // r.compute_bytes)
         if s.ps.grads < 1:
             g3 += 4 * st.head_stored
+        elif r.fsdp_accum:  # a held step's accumulator became the input above and a sharded .grad
+            g3, b3 = g3 + 4 * st.head_stored, b3 - 4 * r.head_numel
+        if _head_ar_kept(r, s):
+            o3 += 4 * st.head_stored
     acts3 = s.acts + s.logits_alive + r.recompute_extra
     if layout.pp > 1 and layout.pp_schedule == "zero_bubble":
         o3 += r.chunk_layers[s.ps.chunk] * a.lin_out_grads
@@ -177,7 +201,31 @@ def last_block_backward(r: RankView, s: StateView) -> list[Moment]:
     out.append(Moment("block backward (SwiGLU)", p3, g3, acts3 - a.prod, o3 + a.ffn_bwd - stage[1], {}, b3))
     out.append(Moment("block backward (norm)", p3 - (experts if own_unit else 0), g3, acts3 - a.ffn_saved,
                       o3 + a.norm_bwd - stage[1], {}, b3))
-    return out
+    return out + _second_block_backward(r, s, p3, g3, b3, o3, acts3)
+
+
+def _second_block_backward(r: RankView, s: StateView, p3: int, g3: int, b3: int, o3: int, acts3: int) -> list[Moment]:
+    """FSDP without a pipeline, the next block's SwiGLU backward once the last block has reduced: that block is
+    resharded after its backward (zero 2, a held step's last micro-batch; zero 3 holds one block either way), its
+    saved activations are freed, and its gradient is a sharded .grad (an accumulator or nothing before) whose
+    fp32 reduce-scatter input replaced the head's in FSDP's one kept input buffer. In bf16 the input (4 B per
+    parameter) outweighs the resharded unit (2 B), so with one micro-batch this moment can top the last block's."""
+    layout, st, a = r.layout, r.st, r.a
+    if not (r.fsdp and layout.pp == 1 and r.n_blocks >= 2 and (not r.fsdp_accum or s.last)):
+        return []
+    stored = (st.n_stored - st.root_stored) // r.n_blocks  # one block's shard
+    p = p3 - (0 if r.zero3 else st.unit_max)
+    g, b = g3, b3
+    if r.fsdp_accum:
+        g, b = g + 4 * stored, b - 4 * r.block_local
+    elif s.ps.grads < 1:
+        g += 4 * stored
+    head = 4 * (st.head_unit // r.compute_bytes) if r.has_head else 0  # the input buffer the block's replaced
+    if r.has_head and _head_ar_kept(r, s):
+        head += 4 * st.head_stored  # (and the head's kept all-reduce output)
+    o = o3 - head + 4 * (st.unit_max // r.compute_bytes)
+    acts = acts3 - a.layer_saved
+    return [Moment("block backward (SwiGLU, second)", p, g, acts - a.prod, o + a.ffn_bwd, {}, b)]
 
 
 def first_block_units_kept(r: RankView, s: StateView) -> list[Moment]:
@@ -197,7 +245,7 @@ def first_block_units_kept(r: RankView, s: StateView) -> list[Moment]:
     if not s.ps.own_grads:  # the chunk's first backward: accumulators of its later blocks and its head
         root_c = sum(d0 * r_ for d0, r_, _, _ in _root_tensors(layout, False, r.stages[c] == r.n_stages - 1))
         b_end += 4 * ((lay[c] - 1) * r.block_local + root_c)
-    p_end = s.param_copies + s.kept_other + st.chunk_units[c]
+    p_end = s.kept_other + st.chunk_units[c]
     if not s.own_kept and r.stages[c] == 0:  # the embedding's own unit: resharded after its forward, gathered
         p_end -= st.embed_unit  # again only for its backward (fsdp_units.py)
     out = []
@@ -240,7 +288,7 @@ def first_layer_backward(r: RankView) -> list[Moment]:
         g4 = 4 * (blk_shard - blk_shard // max(n_blk, 1))  # reduced blocks: sharded grads
         if r.fsdp_accum:  # unsharded: grad_buffers
             b4 = 4 * (root_local + blk_local)  # accumulators of the root and of this block
-            if layout.precision == "mp":
+            if layout.precision == "mp":  # this micro-step's bf16 gradients before they join the fp32 ones
                 b4 += cb * (root_local + r.w2)
         else:
             if m > 1:  # sharded grads of this block and the root from the earlier micro-steps
@@ -266,7 +314,7 @@ def first_layer_backward(r: RankView) -> list[Moment]:
             else:
                 g_h = 4 * st.n_stored
                 b_h = cb * (root_local - ((V // tp) * D if r.has_embed else 0) - r.head_numel + r.w2)
-            held.append(Moment("block backward (first, units held)", st.all_units + a.pcopy_layer, g_h, 0,
+            held.append(Moment("block backward (first, units held)", st.all_units, g_h, 0,
                                r.other_base + a.d_stream + a.ffn_bwd + (0 if r.fsdp_accum else st.rs_buffer), {},
                                b_h))
     else:
@@ -278,7 +326,7 @@ def first_layer_backward(r: RankView) -> list[Moment]:
         logits_end * a.logits - a.prod
     if layout.pp > 1 and min(r.stages) != r.n_stages - 1:
         acts4 += a.stream
-    return [Moment("block backward (first)", p4 + a.pcopy_layer, g4, acts4,
+    return [Moment("block backward (first)", p4, g4, acts4,
                    r.other_base + a.d_stream + a.ffn_bwd + o4, {}, b4)] + [h._replace(activations=acts4) for h in held]
 
 
@@ -286,14 +334,20 @@ def head_reduce_scatter(r: RankView, s: StateView) -> list[Moment]:
     """FSDP without a pipeline: the [norm, output] unit's reduce-scatter right after its backward (its
     post-backward runs when the final norm's input gradient is made, fsdp_units.py), with every block's saved
     activations still alive; the unit is resharded first (FSDPParamGroup.post_backward), and under zero 3 the
-    last block's prefetched all-gather output waits in its staging buffer. Zero 2 holds every other unit."""
-    if not (r.fsdp and r.layout.pp == 1 and r.has_head and not r.fsdp_accum):
+    last block's prefetched all-gather output waits in its staging buffer. Zero 2 holds every other unit. A held
+    step reduces in its last micro-batch only, its fp32 accumulator in place of the new compute-dtype gradient."""
+    if not (r.fsdp and r.layout.pp == 1 and r.has_head and (not r.fsdp_accum or s.last)):
         return []
     st, a = r.st, r.a
-    held = s.param_copies + (0 if r.zero3 else st.all_units - st.head_unit)
-    rs = _unit_reduce_scatter(r.layout, st.head_unit, st.head_stored, r.compute_bytes)
+    held = (0 if r.zero3 else st.all_units - st.head_unit)
+    if r.fsdp_accum:  # the accumulator (in grad_buffers) copied into the input, then freed before the collective
+        accum = 4 * r.head_numel
+        rs = _unit_reduce_scatter(r.layout, st.head_unit, st.head_stored, r.compute_bytes, copy_in=accum) - accum
+    else:
+        rs = _unit_reduce_scatter(r.layout, st.head_unit, st.head_stored, r.compute_bytes)
     return [Moment("head reduce-scatter", held, s.grads_prev, s.acts,
-                   s.other + a.d_stream + (st.unit_max if r.zero3 else 0) + rs, {"head_reduce_scatter": rs})]
+                   s.other + a.d_stream + (st.unit_max if r.zero3 else 0) + rs, {"head_reduce_scatter": rs},
+                   s.gbuf_prev)]
 
 
 def root_reduce_scatter(r: RankView) -> list[Moment]:
@@ -305,15 +359,16 @@ def root_reduce_scatter(r: RankView) -> list[Moment]:
     return [_root_reduce_scatter(r.layout, r.st, r.compute_bytes, m, r.data, r.other_base)]
 
 
-def _unit_reduce_scatter(layout: Layout, unit: int, stored: int, cb: int) -> int:
+def _unit_reduce_scatter(layout: Layout, unit: int, stored: int, cb: int, copy_in: int | None = None) -> int:
     """Bytes one unit's reduce-scatter adds (`unit`: its gathered compute bytes, `stored`: its shard's numel):
-    the copy-in (every unsharded gradient + the fp32 input) or the collective (input + output + one [V/tp, D]
-    compute-dtype gradient the autograd engine still holds + gloo's own copy of the input), see
-    _root_reduce_scatter."""
+    the copy-in (every unsharded gradient + the fp32 input; `copy_in`: other gradient bytes than `unit` there, a
+    held step's fp32 accumulator) or the collective (input + output + one [V/tp, D] compute-dtype gradient the
+    autograd engine still holds + gloo's own copy of the input), see _root_reduce_scatter."""
     rs_in = 4 * (unit // cb)  # padded unsharded numel, fp32
     held = cb * (layout.vocab_size // layout.tp) * layout.d_model
-    gloo = rs_in if (layout.device == "cpu" and GLOO_COPIES_RS_INPUT) else 0
-    return rs_in + max(unit, 4 * stored + held + gloo)
+    # (a shard group of one rank, bf16 ZeRO-0's replicas or degree 1, copies instead of reduce-scattering)
+    gloo = rs_in if (layout.device == "cpu" and GLOO_COPIES_RS_INPUT and layout.shard > 1) else 0
+    return rs_in + max(unit if copy_in is None else copy_in, 4 * stored + held + gloo)
 
 
 def _root_reduce_scatter(layout: Layout, st: _States, cb: int, m: int, data: int, other0: int) -> Moment:

@@ -101,7 +101,9 @@ def _states_cached(layout: Layout, stages: tuple[int, ...]) -> _States:
             return tn[0] * -(-tn[1] // g)
         return -(-tn[0] // g) * tn[1]
 
-    step_bytes = 4 if layout.device == "cpu" else 0
+    # AdamW's `step`: a 4-byte tensor per parameter tensor, on the device when fused (torch keeps it beside the
+    # parameter for the fused kernel), on the host for the per-tensor loop (counted on a CPU device only)
+    step_bytes = 4 if layout.device == "cpu" or adamw_fused(layout) else 0
     if layout.fsdp:
         root_shard = sum(shard(tn) for tn in root)
         stored = sum(n * sum(shard(tn) for tn in ts) for n, ts in kinds) + root_shard
@@ -122,12 +124,12 @@ def _states_cached(layout: Layout, stages: tuple[int, ...]) -> _States:
         return _States(params=4 * stored, grads_full=4 * stored, opt=8 * stored +
                        step_bytes * n_tensors, ddp_buckets=0, unit_max=cbytes * unit, root_unit=cbytes * root_sz,
                        all_units=cbytes * (gathered(stages) + root_sz), rs_buffer=4 * unit,
-                       step_transient=_step_transient(layout, 4 * largest, 4 * stored), n_local=n_local,
+                       step_transient=_step_transient(layout, 4 * largest), n_local=n_local,
                        n_stored=stored, largest_tensor=largest, root_stored=root_shard, chunk_units=chunks,
                        chunk_roots=roots, embed_unit=cbytes * sum(shard(tn) * group(tn) for tn in embed_t),
                        head_unit=cbytes * sum(shard(tn) * group(tn) for tn in head_t),
                        embed_stored=sum(shard(tn) for tn in embed_t), head_stored=sum(shard(tn) for tn in head_t))
-    if shards_optimizer_only(layout.dp, layout.cp, layout.zero, layout.tp):  # ZeRO-1 (wrapping.py)
+    if shards_optimizer_only(layout.dp, layout.cp, layout.zero, layout.tp, layout.dtype):  # ZeRO-1 (wrapping.py)
         every = [tn for n, ts in kinds for tn in ts * n] + root
         if layout.num_experts and layout.ep > 1:  # parallel/zero.py: the experts are partitioned on their own
             opt, owned = _zero1_expert_opt(layout, [tn for tn in every if tn[3] != "expert"],
@@ -136,10 +138,8 @@ def _states_cached(layout: Layout, stages: tuple[int, ...]) -> _States:
             owned = _zero1_max_share(tuple(g if r > 1 else d0 for d0, r, g, _ in every),
                                      tuple(d0 * r for d0, r, _, _ in every), layout.dpcp)
             opt = 8 * owned + step_bytes * -(-n_tensors // layout.dpcp)
-        owned_bytes = 4 * owned
     else:
         opt = 8 * n_local + step_bytes * n_tensors
-        owned_bytes = 4 * n_local
     ddp_params = n_local
     # expert shards are on DDP's ignore list (synced by expert_parallel.sync_expert_grads)
     if layout.num_experts and layout.ep > 1:
@@ -152,11 +152,26 @@ def _states_cached(layout: Layout, stages: tuple[int, ...]) -> _States:
         grads += 4 * (layout.vocab_size - layout.vocab_size // layout.tp) * layout.d_model
     return _States(params=4 * n_local, grads_full=grads, opt=opt,
                    ddp_buckets=4 * ddp_params if layout.ddp else 0, unit_max=0, root_unit=0, all_units=0, rs_buffer=0,
-                   step_transient=_step_transient(layout, 4 * largest, owned_bytes),
+                   step_transient=_step_transient(layout, 4 * largest),
                    n_local=n_local, n_stored=n_local, largest_tensor=largest)
 
 
-def _step_transient(layout: Layout, largest_bytes: int, owned_bytes: int) -> int:
-    """AdamW step temporaries: the CPU default (foreach=False) makes sqrt(v) and its quotient for one tensor at
-    a time; CUDA's foreach path materialises sqrt(v) for every owned tensor at once (+4 B/param)."""
-    return 2 * largest_bytes if layout.device == "cpu" else owned_bytes
+def adamw_fused(layout: Layout) -> bool:
+    """Whether the template's AdamW runs fused (train/optim.py adamw_kwargs): on CUDA when every parameter one
+    AdamW steps is of one kind, plain tensors or DTensors of one mesh; else the per-tensor loop (foreach=False).
+    The kinds each layout leaves (held against the real ranks by tests/parallel/test_adamw_kinds.py): TP without
+    SP leaves the norm weights plain beside its DTensors, MLA its latent projections and a MoE its router and
+    experts; FSDP puts EP's expert units on their own mesh. DDP's experts and ZeRO-1's per-group optimizers are
+    plain."""
+    if layout.device == "cpu":
+        return False
+    if layout.tp > 1 and (not layout.sp or layout.mla or layout.num_experts):
+        return False
+    return not (layout.num_experts and layout.ep > 1 and layout.fsdp)
+
+
+def _step_transient(layout: Layout, largest_bytes: int) -> int:
+    """AdamW step temporaries: the per-tensor loop (foreach=False, the CPU default and CUDA's mixed parameter sets)
+    makes sqrt(v) and its quotient for one tensor at a time; the fused kernel (CUDA, adamw_fused) computes the
+    update in registers: none. (foreach, which would hold sqrt(v) for every tensor at once, never runs.)"""
+    return 0 if adamw_fused(layout) else 2 * largest_bytes

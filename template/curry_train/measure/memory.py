@@ -14,7 +14,7 @@ one). How the tracker finds each:
   params, optimizer, pp_buffers   by role, registered when tracking starts (the receive buffers are filled by
                 c10d, never by an aten op): the 1/d shard (with FSDP's padding of uneven dim-0 splits) under
                 ZeRO-2/3, the local shard under TP, ~1/d of the AdamW state under ZeRO-1..3.
-  param_copies  FSDP's all-gathered unsharded parameters (bf16 under mixed precision) and autocast's bf16 casts
+  param_copies  FSDP's all-gathered unsharded parameters (bf16 under mixed precision) and casts of a parameter
                 of parameters (an aten cast whose input is a parameter). ZeRO-2 keeps every unit's copy from its
                 forward to its backward (all N parameters at full size at the end of the forward); ZeRO-3 frees
                 each unit's copy after its forward and gathers it again for its backward.

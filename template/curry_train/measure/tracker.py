@@ -242,7 +242,7 @@ class StepMemoryTracker(TorchDispatchMode):
             return "comm"  # FSDP's staging buffers; its unsharded params and sharded grads are found by role
         if (func is torch.ops.aten._to_copy.default and args and _real(args[0])
                 and any(st._cdata in self.param_keys for st in _storages(args[0]))):
-            return "pcopy"  # autocast's cast of a parameter
+            return "pcopy"  # a cast of a parameter outside FSDP (e.g. the MoE router's fp32 upcast)
         if func in _LOSS_OPS:
             return "loss"
         if torch._C._current_graph_task_id() == -1 or _is_recomputing():

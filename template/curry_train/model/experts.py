@@ -8,7 +8,7 @@ Three kernels, one result (tests/parallel/test_moe.py compares them in forward a
   grouped  `torch._grouped_mm(x, w, offs=...)`: one kernel per weight for all experts, offsets stay on the
            device (the grouped GEMM of Megatron-LM's GroupedMLP and torchtitan's MoE). The default on CUDA in
            bf16 only, where torch has it and the rows are 16-byte aligned in the dtype the kernel computes in
-           (the autocast dtype, not the fp32 of the weights before their cast): torch's CUDA _grouped_mm has a
+           (bf16 under FSDP2's policy, the weights' gathered dtype): torch's CUDA _grouped_mm has a
            grouped kernel (CUTLASS, sm90/sm100) for bf16 only; any other dtype takes `_grouped_mm_fallback`
            (aten/src/ATen/native/cuda/GroupedBlas.cpp), which copies `offs` to the host and loops over the
            groups: a host sync per call, the thing the grouped kernel exists to avoid.
@@ -42,14 +42,9 @@ class _ContiguousGrad(torch.autograd.Function):
         return g.contiguous()
 
 
-def compute_dtype(x: torch.Tensor) -> torch.dtype:
-    """The dtype the expert GEMMs run in: autocast's when it is on for x's device (Experts.forward casts to it)."""
-    return torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
-
-
 def default_kernel(device: torch.device, dtype: torch.dtype, d_model: int, d_ff: int) -> str:
     """loop on CPU; on CUDA grouped for bf16 with 16-byte aligned rows of D and F elements, else padded.
-    `dtype` is the compute dtype (compute_dtype), not the pre-cast one."""
+    `dtype` is the compute dtype: the rows' (bf16 under FSDP2's policy, whose units hand the GEMMs bf16 weights)."""
     if device.type == "cpu":
         return "loop"
     aligned = all((d * torch.tensor([], dtype=dtype).element_size()) % 16 == 0 for d in (d_model, d_ff))
@@ -70,10 +65,7 @@ class Experts(nn.Module):
         """x [R, D] grouped by local expert, counts[e] (host ints) = counts_t[e] (device) rows of expert e -> [R, D].
         Every expert runs, even on 0 rows, so every rank's autograd graph has the same shape."""
         w1, w3, w2 = self.w1, self.w3, self.w2
-        kernel = self.kernel or default_kernel(x.device, compute_dtype(x), x.shape[-1], w1.shape[-1])
-        if kernel != "loop" and torch.is_autocast_enabled(x.device.type):
-            dt = torch.get_autocast_dtype(x.device.type)  # autocast has no rule for _grouped_mm: cast once
-            x, w1, w3, w2 = x.to(dt), w1.to(dt), w3.to(dt), w2.to(dt)
+        kernel = self.kernel or default_kernel(x.device, x.dtype, x.shape[-1], w1.shape[-1])
         if kernel == "grouped":
             offs = torch.cumsum(counts_t, 0).to(torch.int32)  # [El] end offsets, on the device
             x = _ContiguousGrad.apply(x)

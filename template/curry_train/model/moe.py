@@ -109,8 +109,8 @@ class AuxLossBackward(torch.autograd.Function):
 class TopKRouter(nn.Module):
     """Softmax over E logits, top-k, gates renormalised to sum to 1 (Mixtral, Jiang et al. 2024, §2.1).
 
-    Runs in fp32 even under bf16 autocast ("selective precision", Fedus et al. 2021 §2.4): the softmax and the
-    top-k choice are where rounding changes which expert a token goes to.
+    Runs in fp32 whatever the compute dtype (bf16 units cast up here; "selective precision", Fedus et al. 2021
+    §2.4): the softmax and the top-k choice are where rounding changes which expert a token goes to.
     """
 
     def __init__(self, m: ModelConfig):
@@ -127,8 +127,7 @@ class TopKRouter(nn.Module):
         # Under TP + EP each tp rank routes other tokens with the same replicated weight: its gradient is summed
         # over tp (Megatron-LM marks the router weight sequence_parallel and all-reduces it over TP likewise)
         w = comms.sum_grad_over(self.gate.weight, self.tp_group)
-        with torch.autocast(x.device.type, enabled=False):
-            logits = F.linear(x.to(dtype), w.to(dtype))  # [N, E]
+        logits = F.linear(x.to(dtype), w.to(dtype))  # [N, E]
         probs = logits.softmax(-1)  # [N, E]
         choose = group_limited(probs, m.route_groups, m.route_top_groups) if m.route_groups > 1 else probs
         top_p, top_e = choose.topk(m.top_k, dim=-1)  # [N, K]

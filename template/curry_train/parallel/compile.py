@@ -20,8 +20,9 @@ until the recompile limit sent the blocks back to eager. `capture_scalar_outputs
 read instead, at the price of unbacked symbolic row counts in every later shape (not tried here). The dense parts
 alone compile and match the reference (tests/parallel/test_compile.py; tiny-moe 1 rank and dp2 ep2 measured).
 
-Resolution of `train.compile` (`compile_enabled`): auto = on for CUDA, off for CPU, and off on the layouts that
-`rules.compile_blockers` names (TP), which `train.compile=true` is refused on before any process starts. On CPU
+Resolution of `train.compile` (`compile_enabled`): auto = on for CUDA, off for CPU. Every layout compiles on torch
+2.13 (white-boxed: tests/parallel/test_compile.py), TP included (torchtitan compiles its TP blocks too) once the
+first block's input is a plain tensor (`_waited`); until then TP was refused with train.compile=true. On CPU
 inductor generates C++ (it needs a C++ compiler at run time) and the first compile of the tiny model takes seconds
 (tens of seconds on a loaded 2-core machine); the CPU tracker the estimator is calibrated on runs the eager kernels
 (docs/ESTIMATION.md), so the CPU default stays eager and `train.compile=true` opts in.
@@ -38,20 +39,37 @@ from curry_train.config import Config
 
 
 def compile_enabled(cfg: Config) -> bool:
-    """`train.compile` resolved for the device this config runs on: auto = CUDA, on a layout that compiles."""
+    """`train.compile` resolved for the device this config runs on: auto = CUDA."""
     from curry_train.mesh import device_type
-    from curry_train.rules import compile_blockers
 
     setting = cfg.train.compile
     if setting == "auto":
-        return device_type(cfg) == "cuda" and not compile_blockers(cfg)  # rules/validity.py: layouts that cannot
+        return device_type(cfg) == "cuda"
     return bool(setting)
 
 
 def _compile_forward(module: nn.Module) -> None:
     # An instance attribute shadows the class's forward (the one recompute may already have replaced): module
     # hooks, FSDP's included, keep running eagerly around the compiled call.
-    module.forward = torch.compile(module.forward)
+    compiled = torch.compile(module.forward)
+
+    def forward(x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        return compiled(_waited(x), *args, **kwargs)
+
+    module.forward = forward
+
+
+def _waited(x: torch.Tensor) -> torch.Tensor:
+    """A block's input as a plain tensor. Under TP without SP the embedding hands the first block the output of its
+    functional all-reduce still wrapped (AsyncCollectiveTensor, DTensor.to_local of RowwiseParallel's Replicate
+    output); given that wrapper as an input, the compiled region's backward returns the input's gradient as a plain
+    tensor to DTensor's redistribute backward, which needs a DTensor (torch 2.13: AttributeError '_local_tensor' in
+    the first backward). An op on the wrapper waits for the collective and returns a plain tensor with the wrapper
+    as its autograd input, so the gradient reaches redistribute through to_local's backward, as in eager: one copy
+    of the hidden state [mb, T, D], at the first block only (the others get the compiled blocks' plain outputs)."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    return x.clone() if type(x) is AsyncCollectiveTensor else x
 
 
 def apply_compile(model: nn.Module, mesh: Any, cfg: Config) -> bool:

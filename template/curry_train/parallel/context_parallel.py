@@ -42,7 +42,7 @@ from curry_train.parallel.comms import RingExchange
 # CP_RING_KERNEL / CP_RING_KERNEL_DTYPE; tests/test_cost_terms.py fails when the two disagree, and checks that the
 # blocks really call a fused SDPA op in this dtype):
 RING_KERNEL = "fused_sdpa"  # torch's fused attention with its LSE per block (_attn_fwd / _attn_bwd), no score tile
-RING_KERNEL_DTYPE = "compute"  # the blocks take q, k, v in the compute dtype (autocast off): "compute" | "float32"
+RING_KERNEL_DTYPE = "compute"  # the blocks take q, k, v in the compute dtype: "compute" | "float32"
 
 
 def kernel_dtype(q: torch.Tensor) -> torch.dtype:
@@ -175,20 +175,19 @@ class RingAttention(torch.autograd.Function):
         qk = q.to(kd)
         kv = torch.stack([k, v]).to(kd)  # [2, B, G, Tl, Dh], travels in the kernel's dtype
         aux = None  # the flash kernel's (cum_seq_q, cum_seq_k, rng state), for its backward
-        with torch.autocast(q.device.type, enabled=False):
-            for step in range(cp):
-                if step < cp - 1:
-                    ring.start(kv)  # next block's transfer overlaps this block's compute
-                kr, vr = _rep(kv[0], rep), _rep(kv[1], rep)  # [B, H, Tl, Dh]
-                for qs, ks, causal in plans[(rank - step) % cp]:
-                    o_b, lse_b, aux_b = _attn_fwd(qk[:, :, qs], kr[:, :, ks], vr[:, :, ks], causal)
-                    aux = aux if aux is not None else aux_b
-                    new = torch.logaddexp(lse[..., qs], lse_b)  # [B, H, Tq]
-                    out[:, :, qs] = (out[:, :, qs] * torch.exp(lse[..., qs] - new).unsqueeze(-1)
-                                     + o_b.float() * torch.exp(lse_b - new).unsqueeze(-1))
-                    lse[..., qs] = new
-                if step < cp - 1:
-                    kv = ring.wait()
+        for step in range(cp):
+            if step < cp - 1:
+                ring.start(kv)  # next block's transfer overlaps this block's compute
+            kr, vr = _rep(kv[0], rep), _rep(kv[1], rep)  # [B, H, Tl, Dh]
+            for qs, ks, causal in plans[(rank - step) % cp]:
+                o_b, lse_b, aux_b = _attn_fwd(qk[:, :, qs], kr[:, :, ks], vr[:, :, ks], causal)
+                aux = aux if aux is not None else aux_b
+                new = torch.logaddexp(lse[..., qs], lse_b)  # [B, H, Tq]
+                out[:, :, qs] = (out[:, :, qs] * torch.exp(lse[..., qs] - new).unsqueeze(-1)
+                                 + o_b.float() * torch.exp(lse_b - new).unsqueeze(-1))
+                lse[..., qs] = new
+            if step < cp - 1:
+                kv = ring.wait()
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.group, ctx.plans, ctx.rank, ctx.aux = group, plans, rank, aux
@@ -208,29 +207,28 @@ class RingAttention(torch.autograd.Function):
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         kv = torch.stack([k, v]).to(kd)
         dkv = torch.zeros(kv.shape, dtype=torch.float32, device=k.device)  # grads of the K/V block held now
-        with torch.autocast(q.device.type, enabled=False):
-            for step in range(cp):
-                if step < cp - 1:
-                    ring.start(kv)
-                kr, vr = _rep(kv[0], rep), _rep(kv[1], rep)
-                parts = []  # (key rows, dk [B, G, Tk, Dh] fp32, dv) of this step's blocks
-                for qs, ks, causal in plans[(rank - step) % cp]:
-                    dq_b, dk_b, dv_b = _attn_bwd(dout[:, :, qs], qk[:, :, qs], kr[:, :, ks], vr[:, :, ks],
-                                                 ok[:, :, qs], lse[..., qs], causal, ctx.aux)
-                    dq[:, :, qs] += dq_b
-                    parts.append((ks, _unrep(dk_b.float(), rep), _unrep(dv_b.float(), rep)))
-                if step > 0:
-                    dkv = grads.wait()  # the partial sums of the block held now, from its previous holder
-                for ks, dk_b, dv_b in parts:
-                    dkv[0, :, :, ks] += dk_b
-                    dkv[1, :, :, ks] += dv_b
-                del parts
-                if step < cp - 1:
-                    kv = ring.wait()
-                if cp > 1:
-                    grads.start(dkv)  # to the next holder of this block; the cp-th shift brings ours home
+        for step in range(cp):
+            if step < cp - 1:
+                ring.start(kv)
+            kr, vr = _rep(kv[0], rep), _rep(kv[1], rep)
+            parts = []  # (key rows, dk [B, G, Tk, Dh] fp32, dv) of this step's blocks
+            for qs, ks, causal in plans[(rank - step) % cp]:
+                dq_b, dk_b, dv_b = _attn_bwd(dout[:, :, qs], qk[:, :, qs], kr[:, :, ks], vr[:, :, ks],
+                                             ok[:, :, qs], lse[..., qs], causal, ctx.aux)
+                dq[:, :, qs] += dq_b
+                parts.append((ks, _unrep(dk_b.float(), rep), _unrep(dv_b.float(), rep)))
+            if step > 0:
+                dkv = grads.wait()  # the partial sums of the block held now, from its previous holder
+            for ks, dk_b, dv_b in parts:
+                dkv[0, :, :, ks] += dk_b
+                dkv[1, :, :, ks] += dv_b
+            del parts
+            if step < cp - 1:
+                kv = ring.wait()
             if cp > 1:
-                dkv = grads.wait()
+                grads.start(dkv)  # to the next holder of this block; the cp-th shift brings ours home
+        if cp > 1:
+            dkv = grads.wait()
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
 
 

@@ -13,17 +13,18 @@ Gradients. Non-expert parameters are replicated over dp x cp and averaged there 
 rank j already holds the gradient of *every* EP peer's tokens (the all-to-all's backward brought it home), so it
 is summed only over "edp_cp" (mesh.ep_meshes: the dp/ep x cp ranks holding the same experts) and divided by
 dp * cp, the same mean-over-ranks the rest of the model gets:
-  * DDP (zero 0/1): the expert params are on DDP's ignore list (ddp.py calls `exclude_experts_from_ddp`);
+  * DDP (fp32 zero 0/1): the expert params are on DDP's ignore list (ddp.py calls `exclude_experts_from_ddp`);
     `sync_expert_grads` all-reduces them over edp_cp at the end of the backward in which DDP syncs (the same
     `require_backward_grad_sync` flag), one flat all-reduce per backward. ZeRO-1 (zero.py) shards their AdamW
     state over edp_cp too, with a ZeroRedundancyOptimizer of their own: its broadcast then copies an update
     only to the ranks holding the same experts.
-  * FSDP2 (zero 2/3): fsdp.py calls `fully_shard_experts` before wrapping the blocks: each Experts module gets
-    its own FSDP unit over edp_cp with gradient divide factor dp * cp (torchtitan's MoE layout); the block's
-    fully_shard then skips those already-managed params. Sharded on the expert dim when El % edp_cp == 0,
-    else on a hidden dim (expert_shard_placement), so a rank holds 1/(ep * edp_cp) of the experts. Under HSDP
-    (dp_replicate > 1) the unit's mesh is edp_cp as (replicas, shard) (mesh.expert_fsdp_mesh): sharded inside
-    a replica group, all-reduced across them, still divided by dp * cp.
+  FSDP2 (zero 2/3, and every bf16 layout: wrapping.py): fsdp.py calls `fully_shard_experts` before wrapping the blocks:
+    each Experts module gets its own FSDP unit over edp_cp with gradient divide factor dp * cp (torchtitan's MoE
+    layout); the block's fully_shard then skips those already-managed params. Sharded on the expert dim when El % edp_cp
+    == 0, else on a hidden dim (expert_shard_placement), so a rank holds 1/(ep * edp_cp) of the experts. Under HSDP
+    (dp_replicate > 1) the unit's mesh is edp_cp as (replicas, shard) (mesh.expert_fsdp_mesh): sharded inside a replica
+    group, all-reduced across them, still divided by dp * cp. bf16's ZeRO-0 makes every holder a replica (edp_cp, 1):
+    the expert units all-reduce over their holders, as DDP's expert sync does.
 ep = 1 changes nothing: the experts are ordinary replicated params under DDP/FSDP.
 
 White-box: each expert param carries `_curry_gather` (all-gather over the ep group, dim 0), which maps the
@@ -134,15 +135,16 @@ def expert_shard_placement(local_experts: int, edp: int) -> Any:
     return Shard(0) if local_experts % edp == 0 else Shard(1)
 
 
-def fully_shard_experts(model: nn.Module, mesh: Any, cfg: Config, **fsdp_kwargs: Any) -> None:
+def fully_shard_experts(model: nn.Module, mesh: Any, cfg: Config, replicas: int, **fsdp_kwargs: Any) -> None:
     """Give every Experts module its own FSDP2 unit over edp_cp (call before fully_shard of the blocks, with the
-    same mp_policy / reshard_after_forward). Divides gradients by dp*cp with sum-only collectives."""
+    same mp_policy / reshard_after_forward; `replicas`: the dense units' replica groups, parallel/fsdp.py
+    replicas). Divides gradients by dp*cp with sum-only collectives."""
     if cfg.parallel.ep == 1:
         return
     from torch.distributed.fsdp import fully_shard
 
     ep_mesh, _ = ep_meshes(mesh, cfg.parallel.ep)
-    edp = expert_fsdp_mesh(mesh, cfg.parallel.ep, cfg.parallel.dp_replicate)  # 2-D under HSDP (mesh.py)
+    edp = expert_fsdp_mesh(mesh, cfg.parallel.ep, replicas)  # 2-D under HSDP and bf16 ZeRO-0 (mesh.py)
     shard = edp.size(edp.ndim - 1)  # the ranks an expert weight is split over (HSDP: inside one replica group)
     placement = expert_shard_placement(cfg.model.num_experts // cfg.parallel.ep, shard)
     for _, moe in moe_layers(model):

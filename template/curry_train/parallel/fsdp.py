@@ -15,12 +15,16 @@ it reduce-scatters the unit's gradients, so each rank keeps 1/d of params, grads
           under a pipeline, where parallel.fsdp_reshard=default keeps every unit gathered for the step (each
           micro-batch's forward would gather it again); the rule and its policy: curry_train/fsdp_units.py.
 
-  zero=1  (with TP; wrapping.py) Megatron's distributed optimizer (Narayanan et al. 2021, SC21; Megatron-LM
-          docs "Distributed Optimizer"): reshard_after_forward=False, and on every micro-batch but the last
+  zero=1  (bf16, or fp32 with TP; wrapping.py) Megatron's distributed optimizer (Narayanan et al. 2021, SC21;
+          Megatron-LM docs "Distributed Optimizer"): reshard_after_forward=False, and on every micro-batch but the last
           neither reshard after backward nor reduce (`holds_step`): parameters stay gathered and fp32 gradients
           accumulate unsharded across the step, one reduce-scatter after the last backward, AdamW on the 1/d
           shard, and the next step's all-gather plays Megatron's parameter all-gather. Peak memory is Megatron's
           (2/4 B gathered params + 4 B grads per parameter, 12-16 B of master + AdamW / d).
+  zero=0  (bf16; wrapping.py) dp x cp replicas of one shard: a 2-D mesh (dp*cp, 1) whose shard groups are one
+          rank (FSDP2 copies there instead of gathering), holding the step as zero=1 does, so the fp32 gradients
+          accumulate unsharded and are all-reduced across the replicas once per step (DDP's no-sync accumulation),
+          with bf16 compute parameters and fp32 masters. At dp*cp = 1 every stage is this one rank's own unit.
   parallel.fsdp_keep_gathered (zero=2): the same without the deferred reduction: units stay gathered across
           micro-batches (one all-gather per step), gradients are still reduce-scattered every micro-batch.
   Under PP torch's schedule does both itself for every ZeRO stage (pipelining stage.py, no-sync backward).
@@ -50,6 +54,14 @@ from torch import nn
 from curry_train.config import Config
 from curry_train.fsdp_units import reshard_after_forward
 from curry_train.mesh import fsdp_mesh
+from curry_train.wrapping import fsdp_replicas
+
+
+def replicas(cfg: Config) -> int:
+    """FSDP2's replica groups over dp x cp for this config (wrapping.fsdp_replicas: HSDP's, bf16 ZeRO-0's dp*cp;
+    1 when FSDP2 does not wrap the layout): the first dimension of the mesh it shards over (mesh.fsdp_mesh)."""
+    p = cfg.parallel
+    return fsdp_replicas(p.dp, p.cp, p.zero, p.tp, cfg.train.dtype, p.dp_replicate)
 
 
 def fsdp_kwargs(cfg: Config) -> dict[str, Any]:
@@ -82,7 +94,7 @@ def apply_fsdp(model: nn.Module, mesh: Any, cfg: Config) -> None:
 
     kwargs = fsdp_kwargs(cfg)
     p = cfg.parallel
-    dp_mesh = fsdp_mesh(mesh, p.dp_replicate)  # 2-D for HSDP (mesh.py fsdp_mesh)
+    dp_mesh = fsdp_mesh(mesh, replicas(cfg))  # 2-D for HSDP and bf16 ZeRO-0's replicas (mesh.py fsdp_mesh)
 
     def unit(modules: Any, name: str) -> None:
         flag = reshard_after_forward(p.zero, p.pp, p.fsdp_reshard, name)  # fsdp_units.py: the one rule
@@ -93,7 +105,7 @@ def apply_fsdp(model: nn.Module, mesh: Any, cfg: Config) -> None:
         # fully_shard below skips the params those units already manage (expert_parallel.py docstring).
         from curry_train.parallel.expert_parallel import fully_shard_experts
 
-        fully_shard_experts(model, mesh, cfg, **kwargs)
+        fully_shard_experts(model, mesh, cfg, replicas(cfg), **kwargs)
     if model.tok_embeddings is not None:  # (the model's head is untied: model/gpt.py)
         unit(model.tok_embeddings, "embed")
     for block in model.layers.values():

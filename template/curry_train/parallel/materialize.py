@@ -28,8 +28,9 @@ Init peak (measured by measure/init_memory.py, modelled by estimator/init.py):
     local shards of every parameter  +  for the full-draw parameters, the largest one in full plus one local
     chunk of it (the contiguous copy distribute_tensor returns)  +  the RoPE tables  +  4 KiB
     (scalars and bookkeeping; measured 16 B at dp=4 ZeRO-3, tests/test_sharded_init.py).
-DDP (zero 0/1) replicates the model, so its "local shard" is the whole (stage) model: materialised before the
-DDP wrap, whose constructor broadcasts from rank 0 (a no-op in value: every rank computed the same numbers).
+DDP (fp32 zero 0/1) replicates the model, so its "local shard" is the whole (stage) model: materialised before the
+DDP wrap, whose constructor broadcasts from rank 0 (a no-op in value: every rank computed the same numbers). bf16's
+ZeRO-0 replicas are FSDP2 units on a (dp*cp, 1) mesh, (Replicate, Shard(0)): their Shard(0) chunk is every row.
 """
 
 from __future__ import annotations

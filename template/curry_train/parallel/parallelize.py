@@ -9,12 +9,13 @@ Order (fixed; each constraint is explained where it applies, torchtitan-style):
   4. recompute     - wraps whole blocks after TP/CP/EP so the recomputed region replays their collectives too.
   4b. compile      - torch.compile per block (train.compile) after recompute, so the checkpoint is inside the
                      graph, and before FSDP/DDP, whose hooks stay eager around it (parallel/compile.py).
-  5. FSDP or DDP   - last module transform: it must see the final parameter set (ZeRO-2/3 = FSDP2, ZeRO-0/1 = DDP;
-                     ZeRO-1 with TP = FSDP2 holding the step, wrapping.py)
-                     over the dp x cp ranks (CP ranks see different tokens, so their grads are averaged like DP's).
+  5. FSDP or DDP   - last module transform: it must see the final parameter set (wrapping.py: bf16 = FSDP2 and its
+                     MixedPrecisionPolicy on every layout; fp32: ZeRO-2/3 = FSDP2, ZeRO-0/1 = DDP, ZeRO-1 with TP =
+                     FSDP2 holding the step) over the dp x cp ranks (CP ranks see different tokens, so their grads
+                     are averaged like DP's).
   6. optimizer     - built on the wrapped parameters (FSDP's sharded DTensors); ZeRO-1 shards its state.
   7. PP schedule   - built last, around the fully wrapped stage modules.
-Size-1 axes skip their step, so a 1-rank run is the plain model.
+Size-1 axes skip their step, so a 1-rank fp32 run is the plain model (a bf16 one is FSDP2 at degree 1).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from torch import nn
 from curry_train.config import Config
 from curry_train.mesh import Topology, dp_cp_mesh
 from curry_train.parallel.materialize import canonical_name, global_shapes, is_meta, materialize
-from curry_train.wrapping import data_parallel_wrapper, fsdp_holds_step, precision_path, shards_optimizer_only
+from curry_train.wrapping import data_parallel_wrapper, fsdp_holds_step, shards_optimizer_only
 
 __all__ = ["Parallelized", "canonical_name", "grad_reduce_group", "parallelize"]
 
@@ -67,13 +68,6 @@ class Parallelized:
 
         ddp = any(isinstance(part, DistributedDataParallel) for part in self.parts)
         self.optimizer.zero_grad(set_to_none=not ddp)
-
-    def autocast(self) -> AbstractContextManager:
-        """bf16 compute for the layouts FSDP's MixedPrecisionPolicy does not cover (DDP, single process)."""
-        if precision_path(self.cfg.train.dtype, self.topo.dp, self.topo.cp, self.cfg.parallel.zero,
-                          self.topo.tp) == "autocast":
-            return torch.autocast(self.device.type, dtype=torch.bfloat16)
-        return nullcontext()
 
 
 def parallelize(model: nn.Module, mesh: Any, cfg: Config, *, topo: Topology, device: torch.device) -> Parallelized:
@@ -122,7 +116,7 @@ def parallelize(model: nn.Module, mesh: Any, cfg: Config, *, topo: Topology, dev
 
         par.compiled = apply_compile(part, mesh, cfg)
         # 5. data parallel over dp x cp; the local shards are materialised after FSDP or before DDP.
-        wrapper = data_parallel_wrapper(topo.dp, topo.cp, p.zero, topo.tp)  # wrapping.py: the one home of this rule
+        wrapper = data_parallel_wrapper(topo.dp, topo.cp, p.zero, topo.tp, cfg.train.dtype)  # wrapping.py: the rule
         if wrapper == "fsdp":
             from curry_train.parallel.fsdp import apply_fsdp
 
@@ -138,7 +132,7 @@ def parallelize(model: nn.Module, mesh: Any, cfg: Config, *, topo: Topology, dev
 
     # 6. optimizer on the final parameters.
     params = [q for part in par.parts for q in part.parameters()]
-    if shards_optimizer_only(topo.dp, topo.cp, p.zero, topo.tp):
+    if shards_optimizer_only(topo.dp, topo.cp, p.zero, topo.tp, cfg.train.dtype):
         from curry_train.parallel.zero import build_zero1_optimizer
 
         par.optimizer = build_zero1_optimizer(params, mesh, cfg)
@@ -158,19 +152,19 @@ def parallelize(model: nn.Module, mesh: Any, cfg: Config, *, topo: Topology, dev
 def _grad_sync_fn(par: Parallelized) -> Callable[[bool], None]:
     """Gradient reduction on accumulation micro-steps.
 
-    DDP / ZeRO-1: skip the all-reduce until the last micro-step (require_backward_grad_sync, as nanoGPT does
-    instead of no_sync()): the accumulated full gradient is there anyway, so earlier syncs would be redundant.
+    DDP / ZeRO-1 (fp32): skip the all-reduce until the last micro-step (require_backward_grad_sync, as nanoGPT
+    does instead of no_sync()): the accumulated full gradient is there anyway, so earlier syncs would be redundant.
     ZeRO-2/3 (FSDP2): reduce-scatter on *every* micro-step. Skipping it (set_requires_gradient_sync(False)) makes
     FSDP2 keep each unit's unsharded fp32 gradient across micro-steps, i.e. the full 4 bytes/param per rank that
     ZeRO-2 exists to remove (Rajbhandari et al. 2019, §5.2: P_g reduce-scatters gradients as they are produced).
     The extra (m-1) reduce-scatters are the price of keeping gradients sharded. Two exceptions keep the units
     gathered across micro-batches (parallel/fsdp.py holds_step): parallel.fsdp_keep_gathered (zero=2, still
-    reduce-scattering each micro-step) and ZeRO-1 on FSDP2 under TP (Megatron's distributed optimizer: the
-    gradients accumulate unsharded too, reduced once). Pipeline schedules manage their stages' sync themselves.
-    A no-op for a single process.
+    reduce-scattering each micro-step) and ZeRO-0/1 on FSDP2 (wrapping.fsdp_holds_step: bf16's replicas and
+    Megatron's distributed optimizer; the gradients accumulate unsharded in fp32 too, reduced once, as DDP's).
+    Pipeline schedules manage their stages' sync themselves. A no-op for an fp32 single process.
     """
     p, topo = par.cfg.parallel, par.topo
-    defer = fsdp_holds_step(topo.dp, topo.cp, p.zero, topo.tp)  # wrapping.py
+    defer = fsdp_holds_step(topo.dp, topo.cp, p.zero, topo.tp, par.cfg.train.dtype)  # wrapping.py
     hold = defer or p.fsdp_keep_gathered
 
     def set_sync(enabled: bool) -> None:

@@ -227,7 +227,7 @@ def pipeline_forward_backward(par, step: int) -> torch.Tensor:
         del x, y  # only the device copies stay alive through the schedule
     # loss_parallel covers the last stage's forward (the loss) and the backward (the schedule runs both inside
     # step()). return_outputs=False: only the losses are used here.
-    with par.autocast(), par.loss_context():
+    with par.loss_context():
         par.schedule.step(*args, return_outputs=False, **kwargs)
     for part in par.parts:  # DDP + EP: expert shards, summed over edp_cp after the schedule scaled by 1/m
         reduce_experts = getattr(part, "_curry_reduce_experts", None)

@@ -37,9 +37,9 @@ from curry_train.rules.gates import (
     tp_sizes,
 )
 from curry_train.rules.patterns import ANTI_PATTERN_RULES, AntiPattern, AntiPatternRule, RuleContext, anti_patterns
-from curry_train.rules.validity import Problem, check, compile_blockers, divisors, tp_choices, vocab_pad_hint
+from curry_train.rules.validity import Problem, check, divisors, tp_choices, vocab_pad_hint
 
 __all__ = ["ACT_SHARE_FOR_CP", "ANTI_PATTERN_RULES", "LONG_CONTEXT", "WITHIN", "AntiPattern", "AntiPatternRule",
-           "Problem", "RuleContext", "anti_patterns", "check", "compile_blockers", "cp_has_proven_need", "cp_sizes",
+           "Problem", "RuleContext", "anti_patterns", "check", "cp_has_proven_need", "cp_sizes",
            "divisors", "ep_allowed", "ep_domain", "ep_spans_tp", "hsdp_replicas", "pp_allowed", "pp_sizes",
            "tp_blocked_by_vocab", "tp_choices", "tp_sizes", "vocab_pad_hint"]

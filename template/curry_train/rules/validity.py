@@ -167,22 +167,26 @@ def check(cfg: Config) -> list[Problem]:
             bad(["train.global_batch", "train.micro_batch", "parallel.pp"],
                 f"{p.pp_schedule} needs the micro-batch count ({n_micro}) to be a multiple of pp={p.pp}",
                 f"use global_batch a multiple of {p.pp * p.dp * t.micro_batch}")
-    ddp = data_parallel_wrapper(p.dp, p.cp, p.zero, p.tp) == "ddp"  # which wrapper the template gives (wrapping.py)
+    # Validity does not depend on train.dtype (wrapping.py): the fp32 form of the layout decides, so a config
+    # valid in one precision is valid in the other (bf16 runs these layouts on FSDP2, unproven with what fp32
+    # refuses here).
+    wrapper = data_parallel_wrapper(p.dp, p.cp, p.zero, p.tp, "float32")
+    ddp = wrapper == "ddp"  # zero 0/1 replicated over dp x cp (DDP in fp32; FSDP2 replicas in bf16)
     if ddp and p.tp > 1:  # DDP's bucketed all-reduce takes plain tensors only
-        bad(["parallel.zero", "parallel.tp"], f"zero={p.zero} wraps the model in DDP, which cannot hold "
-            "tensor-parallel (DTensor) parameters",
+        bad(["parallel.zero", "parallel.tp"], f"zero={p.zero} with dp*cp > 1 replicates the model (DDP in fp32), "
+            "which cannot hold tensor-parallel (DTensor) parameters",
             "use parallel.zero=1 with tp (Megatron's distributed optimizer: replicated parameters, sharded "
             "optimizer step, on FSDP2), or zero=2/3")
-    if p.fsdp_keep_gathered and (p.zero != 2 or data_parallel_wrapper(p.dp, p.cp, p.zero, p.tp) != "fsdp"):
+    if p.fsdp_keep_gathered and (p.zero != 2 or wrapper != "fsdp"):
         bad(["parallel.fsdp_keep_gathered", "parallel.zero"], f"fsdp_keep_gathered keeps FSDP's ZeRO-2 units "
             f"gathered across micro-batches, but zero={p.zero} with dp*cp={p.dp * p.cp} "
-            + ("has no FSDP units" if data_parallel_wrapper(p.dp, p.cp, p.zero, p.tp) != "fsdp" else
+            + ("has no ZeRO-2 units to keep" if wrapper != "fsdp" else
                "(zero=3 re-gathers by design; zero=1 with tp keeps them gathered already)"),
             "set parallel.zero=2 with dp*cp > 1, or parallel.fsdp_keep_gathered=false")
-    if p.fsdp_reshard != "default" and (p.zero != 3 or data_parallel_wrapper(p.dp, p.cp, p.zero, p.tp) != "fsdp"):
+    if p.fsdp_reshard != "default" and (p.zero != 3 or wrapper != "fsdp"):
         bad(["parallel.fsdp_reshard", "parallel.zero"], f"fsdp_reshard={p.fsdp_reshard} sets when ZeRO-3's FSDP "
             f"units reshard after forward, but zero={p.zero} with dp*cp={p.dp * p.cp} "
-            + ("has no FSDP units" if data_parallel_wrapper(p.dp, p.cp, p.zero, p.tp) != "fsdp" else
+            + ("has no ZeRO-3 units" if wrapper != "fsdp" else
                "never reshards after forward"),
             "set parallel.zero=3 with dp*cp > 1, or parallel.fsdp_reshard=default")
     elif p.fsdp_reshard == "never" and p.pp == 1:
@@ -190,13 +194,9 @@ def check(cfg: Config) -> list[Problem]:
             "every unit gathered from forward to backward: that is ZeRO-2",
             "set parallel.zero=2 and parallel.fsdp_reshard=default (never matters only under parallel.pp > 1)")
     if ddp and p.pp > 1 and p.pp_schedule == "zero_bubble":
-        bad(["parallel.zero", "parallel.pp_schedule"], f"zero={p.zero} (DDP) all-reduces when the last "
+        bad(["parallel.zero", "parallel.pp_schedule"], f"zero={p.zero} (DDP in fp32) all-reduces when the last "
             "micro-batch's backward ends, but zero_bubble runs some weight-gradient passes after it (gradients "
             "would be wrong)", "use parallel.zero=2 or 3 with zero_bubble, or pp_schedule=interleaved_1f1b")
-    if t.compile is True:
-        for fields, why in compile_blockers(cfg):
-            bad(["train.compile", *fields], f"train.compile=true cannot compile this layout: {why}",
-                "set train.compile=auto (it leaves this layout eager) or false")
     nodes_gpus = h.gpus_per_node * h.nodes
     if cfg.world_size > nodes_gpus:
         bad(["hardware.gpus_per_node", "hardware.nodes"],
@@ -210,18 +210,6 @@ def check(cfg: Config) -> list[Problem]:
         bad(["parallel.tp", "hardware.gpus_per_node"], f"tp={p.tp} does not divide gpus_per_node="
             f"{h.gpus_per_node}: some TP groups would straddle two nodes",
             f"use tp in {divisors(h.gpus_per_node)}")
-    return out
-
-
-def compile_blockers(cfg: Config) -> list[tuple[list[str], str]]:
-    """The layouts train.compile cannot run on, as (fields, why): `check` refuses compile=true there and
-    parallel/compile.py's auto leaves them eager. Measured with the white-box on CPU, torch 2.13 (inductor, gcc 12):
-    dp, ZeRO-1/3, cp, pp, ep and recompute compile and match the reference; TP does not."""
-    out = []
-    if cfg.parallel.tp > 1:
-        out.append((["parallel.tp"], "the tensor-parallel plan's DTensor hooks run inside the compiled block, whose "
-                    "backward then hands DTensor's redistribute a plain tensor (torch 2.13: AttributeError "
-                    "'_local_tensor' in the first backward)"))
     return out
 
 

@@ -154,8 +154,11 @@ def _expert_globaliser(par):
     # (pp, edp, ep, cp, tp) -> (pp, tp, ep, edp, cp): edp_cp is edp-major, cp-minor like mesh.ep_meshes' flatten,
     # so FSDP's shard index on it is this mesh's last coordinate.
     ranks = expert_rank_grid(t).permute(0, 4, 2, 1, 3)  # with ep over dp x tp: (pp, 1, ep, edp, 1)
-    # HSDP (mesh.expert_fsdp_mesh): edp_cp as (replicas, shard), replicas slowest; FSDP2's placement is 2-D then
-    reps = expert_replicas(t.dp, t.cp, t.ep, cfg.parallel.dp_replicate) or 1
+    # HSDP and bf16 ZeRO-0 (mesh.expert_fsdp_mesh): edp_cp as (replicas, shard), replicas slowest; FSDP2's
+    # placement is 2-D then
+    from curry_train.parallel.fsdp import replicas
+
+    reps = expert_replicas(t.dp, t.cp, t.ep, replicas(cfg)) or 1  # HSDP's, bf16 ZeRO-0's (wrapping.fsdp_replicas)
     mesh = DeviceMesh(par.device.type, ranks.reshape(ranks.shape[0] * ranks.shape[1], t.ep, reps, -1),
                       _init_backend=False, mesh_dim_names=("pp_tp", "ep", "edp_replicate", "edp_shard_cp"))
 

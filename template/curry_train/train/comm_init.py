@@ -64,6 +64,17 @@ def init_process_group(cfg: Config, device: torch.device) -> None:
     dist.init_process_group(backend_for(device.type), **kwargs)
 
 
+def init_single_rank(cfg: Config, device: torch.device) -> None:
+    """A 1-rank default group for a process that runs alone but whose layout needs one: FSDP2 at degree 1 (bf16,
+    wrapping.py) builds its DeviceMesh on a process group. An in-process HashStore (no port, no rendezvous), the
+    device's backend, the init timeout; FSDP2 copies instead of communicating at degree 1."""
+    kwargs: dict[str, Any] = {"timeout": timedelta(seconds=cfg.comm.init_timeout_s), "store": dist.HashStore(),
+                              "rank": 0, "world_size": 1}
+    if device.type == "cuda":
+        kwargs["device_id"] = device
+    dist.init_process_group(backend_for(device.type), **kwargs)
+
+
 _extra: list[dist.ProcessGroup] = []  # the groups new_group made outside the mesh (this world's: pg_map)
 
 

@@ -59,8 +59,13 @@ def setup(cfg: Config, device: torch.device | None = None, *, model_hook=None) -
     The model is built on the meta device and each rank materialises only its local shards after the layout is
     applied (parallel/materialize.py): no rank ever holds the full model, and every layout starts from the
     reference's weights. `model_hook(model)` runs on the (meta) model before parallelize (the white-box
-    self-test injects faults there).
+    self-test injects faults there). A single process whose layout runs FSDP2 at degree 1 (bf16: wrapping.py)
+    and has no process group yet gets a 1-rank one here (comm_init.init_single_rank; the process's
+    destroy_process_group ends it, as it ends torchrun's).
     """
+    from curry_train.parallel.fsdp import replicas
+    from curry_train.wrapping import data_parallel_wrapper
+
     topo = Topology.from_config(cfg)
     world = dist.get_world_size() if dist.is_initialized() else 1
     if world != topo.world_size:
@@ -73,8 +78,14 @@ def setup(cfg: Config, device: torch.device | None = None, *, model_hook=None) -
             raise ValueError(problem)
         if rank() == 0:
             print(problem, file=sys.stderr)
-    mesh = build_mesh(topo, device.type, dp_replicate=cfg.parallel.dp_replicate,
-                      experts=cfg.model.num_experts > 0) if world > 1 else None
+    p = cfg.parallel
+    fsdp = data_parallel_wrapper(p.dp, p.cp, p.zero, p.tp, cfg.train.dtype) == "fsdp"
+    if fsdp and not dist.is_initialized():
+        from curry_train.train.comm_init import init_single_rank
+
+        init_single_rank(cfg, device)
+    mesh = build_mesh(topo, device.type, dp_replicate=replicas(cfg),  # FSDP2's replica groups (HSDP, ZeRO-0)
+                      experts=cfg.model.num_experts > 0) if world > 1 or fsdp else None
     model = build_meta_model(cfg)
     if model_hook is not None:
         model_hook(model)
@@ -117,8 +128,7 @@ def forward_backward(par: Parallelized, step: int) -> torch.Tensor:
         # The model computes the loss itself (model/gpt.py chunked_lm_loss: no full [mb*T, V] logits), so TP's
         # loss_parallel must cover its forward as well as the backward, which recomputes the chunks.
         with par.loss_context():
-            with par.autocast():
-                loss = model(x, pos, targets=y)  # mean over the mb * T_local tokens
+            loss = model(x, pos, targets=y)  # mean over the mb * T_local tokens
             extra = aux_loss(model)
             ((loss if extra is None else loss + extra) / n).backward()
         losses.append(_local(loss.detach()))

@@ -33,7 +33,9 @@ per-tensor loop (foreach=False). Both multi-tensor paths (fused and foreach) ref
 plain tensors and DTensors, or DTensors of two meshes ("got mixed torch.Tensor and DTensor"): TP leaves
 replicated parameters plain beside its sharded ones, EP's expert shards live on their own mesh. On CPU the loop
 is also torch's default and what the estimator's CPU tracker is calibrated on (estimator/states.py
-_step_transient: sqrt(v) for one tensor at a time, where foreach would hold it for every tensor at once).
+_step_transient: sqrt(v) for one tensor at a time, where foreach would hold it for every tensor at once; fused
+holds none, and states.adamw_fused says which layouts leave parameters of one kind: tests/parallel/
+test_adamw_kinds.py holds it against the real ranks).
 All compute AdamW's update (Loshchilov & Hutter 2019, Algorithm 2) elementwise in the parameter dtype.
 """
 

@@ -59,20 +59,22 @@ summed), which is the noise above; nothing in those paths runs in lower precisio
               differs is named (diverging_rank) when no tensor copy diverged. And every gradient the step's
               zero-grad left non-zero on any rank (`grads_left`; "zero_grad" in bound_use): none may be left.
 
-bfloat16 runs are compared with a reference that makes the same casts (whitebox.reference `cast`: autocast, or
-FSDP2's bf16 units reducing in fp32). Layouts that split the batch only at micro-batch boundaries (dp, ZeRO/FSDP,
-HSDP, pp, recompute: `bf16_cast_exact`) then run the reference's bf16 operations on the same shapes, so they are
-held to every fp32 bound above, updates included (measured: <= 0.7% of any bound on dp2, zero3, pp2, dp2 +
-recompute, tiny-moe dp2); a gradient reduced in bf16 instead of fp32 fails at 100-180x. tp, cp and ep split a
-matmul's inner or token dimension, so bf16 rounds other partial sums than the reference (8 mantissa bits, ~0.4%
-per rounding): they keep relative bounds, every step re-synchronised, BF16 below: gradients 5% relative L2 per
-tensor (clean <= 47%: tiny-moe cp2), the grad norm 6e-4 relative (clean <= 44%: tiny-moe tp2; a 1% error in one
-TP partial sum of one block fails at 1.4x), the loss 2e-4, activations 2e-3 (clean <= 10%); their updates are not
+bfloat16 runs are compared with a reference that makes the same casts (whitebox.reference `cast`: FSDP2's bf16 units
+reducing in fp32, which every bf16 layout runs, wrapping.py). Layouts that split the batch only at micro-batch
+boundaries (dp, ZeRO/FSDP, HSDP, pp, recompute: `bf16_cast_exact`) then run the reference's bf16 operations on the
+same shapes, so they are held to every fp32 bound above, updates included (measured: <= 0.7% of any bound on dp2,
+zero3, pp2, dp2 + recompute, tiny-moe dp2); a gradient reduced in bf16 instead of fp32 fails at 100-180x. tp, cp and
+ep split a matmul's inner or token dimension, so bf16 rounds other partial sums than the reference (8 mantissa bits,
+~0.4% per rounding): they keep relative bounds, every step re-synchronised, BF16 below: gradients 5% relative L2 per
+tensor (clean <= 18%: tiny tp2; tiny-moe's router gate under tp2 and cp2 goes over it, 1.04x and 1.45x: with a bf16
+residual stream other roundings flip other near-tied top-k choices, docs/CPU-DISTRIBUTED.md "bf16"), the grad norm
+6e-4 relative (clean <= 38%: tiny-moe cp2; a 1% error in one TP partial sum of one block fails at 1.4x), the loss
+2e-4, activations 2e-3 (clean <= 15%); their updates are not
 compared (AdamW's first updates are ~lr*sign(g), so a gradient below bf16 resolution flips a whole lr-sized step;
 those paths are proven in fp32, where the same code runs). Every FSDP unit's own dtypes are checked against the
-policy in any layout (validation/dtypes.py): a bf16 reduction fails there even inside the relative bounds.
-Replicas (parameters and reduced gradients) are checked in every dtype: any copy whose bits differ from the first
-holder's fails.
+policy in any layout (validation/dtypes.py): a bf16 reduction fails there even inside the relative bounds. Replicas
+(parameters and reduced gradients) are checked in every dtype: any copy whose bits differ from the first holder's
+fails.
 
 GPU (ranks on CUDA, reference on one GPU of the same kind, TF32 off, deterministic kernels where torch has
 them): the same fp32 bounds. cuBLAS picks its reduction split by matrix shape, so a TP or sequence shard sums in
@@ -96,6 +98,9 @@ from curry_train.validation.verdict import ParamDiff, Verdict
 FP32 = {"loss_rtol": 1e-5, "grad_atol": 1e-6, "grad_rtol": 1e-5, "grad_rel_l2": 1e-4, "grad_norm_rtol": 1e-5,
         "update_rtol": 1e-3, "update_atol": 1e-9, "adam_free_grad": 1e-6, "free_lr": 1.0, "act_rtol": 1e-4}
 BF16 = {"loss_rtol": 2e-4, "grad_rel_l2": 5e-2, "grad_norm_rtol": 6e-4, "act_rtol": 2e-3}
+# A compiled bf16 block keeps its fused elementwise chains in fp32 (bf16_cast_exact): its grad norm is nearer the
+# exact one than the eager reference's by up to 9.3e-4 relative (measured); the grad-norm bound is the activations'
+BF16_COMPILED = {"grad_norm_rtol": 2e-3}
 HUGE = 1e30  # the ratio recorded for NaN (never <= 1, and JSON-safe unlike inf)
 
 
@@ -295,7 +300,9 @@ def bf16_cast_exact(cfg: Config, compiled: bool = False) -> bool:
     or token dimension (tp, cp, ep), and eager: inductor fuses elementwise chains (RMSNorm, RoPE, SiLU * up)
     and keeps their intermediates in fp32 (torch._inductor.config.emulate_precision_casts is off), so a
     compiled block rounds to bf16 fewer times than the eager reference, the same class of difference as tp's
-    other partial sums (measured, tiny 1 rank compiled: gradients 0.58% relative L2, 12% of BF16's bound)."""
+    other partial sums. With the whole block in bf16 (FSDP2's policy on every bf16 layout, no fp32 stream) that
+    difference reaches the grad norm: BF16_COMPILED (measured, tiny compiled, 2 steps: 1 rank and dp2 9.3e-4
+    relative on the grad norm, tp2 7.0e-4; gradients 21% of the 5% L2 bound, activations 25-33%)."""
     p = cfg.parallel
     return p.tp == 1 and p.cp == 1 and p.ep == 1 and not compiled
 
@@ -310,6 +317,8 @@ def compare(cfg: Config, ref: dict[str, Any], par: dict[str, Any], steps: int, f
     step, for the labels (a resumed run's steps continue its checkpoint's, validation/resume.py)."""
     bf16 = cfg.train.dtype == "bfloat16" and not bf16_cast_exact(cfg, bool(par.get("compiled")))  # else fp32
     tol = dict(BF16 if bf16 else FP32)
+    if bf16 and par.get("compiled"):
+        tol.update(BF16_COMPILED)
     c = _Checker(bf16, tol)
     losses_ref, losses_par = list(ref.get("losses") or []), list(par.get("losses") or [])
     if steps < 1 or len(losses_ref) != steps or len(losses_par) != steps:

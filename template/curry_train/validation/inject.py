@@ -25,7 +25,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from curry_train.config import Config
-from curry_train.wrapping import data_parallel_wrapper, dp_group_size, expert_replicas, shards_optimizer_only
+from curry_train.wrapping import (
+    data_parallel_wrapper,
+    dp_group_size,
+    expert_replicas,
+    fsdp_replicas,
+    shards_optimizer_only,
+)
 
 
 class WhiteboxInputError(ValueError):
@@ -52,7 +58,8 @@ def _dp_cp(cfg: Config) -> int:
 
 
 def _wrapper(cfg: Config) -> str:
-    return data_parallel_wrapper(cfg.parallel.dp, cfg.parallel.cp, cfg.parallel.zero, cfg.parallel.tp)
+    p = cfg.parallel
+    return data_parallel_wrapper(p.dp, p.cp, p.zero, p.tp, cfg.train.dtype)
 
 
 def _needs_ddp(cfg: Config) -> str | None:
@@ -60,22 +67,26 @@ def _needs_ddp(cfg: Config) -> str | None:
         return f"needs data parallelism (dp*cp > 1; here dp={cfg.parallel.dp} cp={cfg.parallel.cp}): with one " \
                "replica there is no gradient reduction to leave out"
     if _wrapper(cfg) != "ddp":
-        return f"plants in DDP's all-reduce, but parallel.zero={cfg.parallel.zero} uses FSDP; use zero 0 or 1, " \
-               "or inject fsdp-grad-sum"
+        return f"plants in DDP's all-reduce, but parallel.zero={cfg.parallel.zero} with " \
+               f"train.dtype={cfg.train.dtype} uses FSDP (bf16: every layout, wrapping.py); use zero 0 or 1 in " \
+               "float32, or inject fsdp-grad-sum"
     return None
 
 
 def _needs_zero1(cfg: Config) -> str | None:
-    if not shards_optimizer_only(cfg.parallel.dp, cfg.parallel.cp, cfg.parallel.zero, cfg.parallel.tp):
-        return f"needs ZeRO-1 (parallel.zero=1 with dp*cp > 1; here zero={cfg.parallel.zero}, dp*cp={_dp_cp(cfg)})"
+    p = cfg.parallel
+    if not shards_optimizer_only(p.dp, p.cp, p.zero, p.tp, cfg.train.dtype):
+        return f"needs ZeRO-1 on ZeroRedundancyOptimizer (parallel.zero=1 with dp*cp > 1 in float32; here " \
+               f"zero={p.zero}, dp*cp={_dp_cp(cfg)}, dtype={cfg.train.dtype}: bf16's ZeRO-1 is FSDP2, wrapping.py)"
     if cfg.train.weight_decay <= 0:
         return "drops weight decay, which is 0 here: set train.weight_decay=0.1 or the bug changes nothing"
     return None
 
 
 def _needs_fsdp(cfg: Config) -> str | None:
-    if _wrapper(cfg) != "fsdp":
-        return f"needs FSDP (parallel.zero >= 2 with dp*cp > 1; here zero={cfg.parallel.zero}, dp*cp={_dp_cp(cfg)})"
+    if _wrapper(cfg) != "fsdp" or _dp_cp(cfg) < 2:
+        return f"needs FSDP over more than one rank (parallel.zero >= 2 with dp*cp > 1, or any zero in bfloat16; " \
+               f"here zero={cfg.parallel.zero}, dp*cp={_dp_cp(cfg)}, dtype={cfg.train.dtype})"
     return None
 
 
@@ -143,9 +154,12 @@ def _needs_dp(cfg: Config) -> str | None:
 def _needs_clip(cfg: Config) -> str | None:
     if cfg.train.grad_clip <= 0:
         return "clips gradients, which is off here (train.grad_clip=0): set train.grad_clip=0.5 (tiny's norm is ~1)"
-    if _wrapper(cfg) != "fsdp" and cfg.parallel.tp < 2:
-        return "needs sharded gradients (FSDP: parallel.zero >= 2 with dp*cp > 1, or parallel.tp > 1): with " \
-               "whole gradients on every rank the local norm is the global one"
+    p = cfg.parallel
+    shard = _dp_cp(cfg) // fsdp_replicas(p.dp, p.cp, p.zero, p.tp, cfg.train.dtype, p.dp_replicate)
+    if (_wrapper(cfg) != "fsdp" or shard < 2) and p.tp < 2:
+        return "needs sharded gradients (FSDP over more than one shard: parallel.zero >= 1 with dp*cp > 1 in " \
+               "bfloat16, zero >= 2 in float32; or parallel.tp > 1): with whole gradients on every rank the " \
+               "local norm is the global one"
     return None
 
 
@@ -170,8 +184,14 @@ def _needs_bf16(cfg: Config) -> str | None:
     return None
 
 
-def _needs_ddp_bf16(cfg: Config) -> str | None:
-    return _needs_ddp(cfg) or _needs_bf16(cfg)
+def _needs_replicas_bf16(cfg: Config) -> str | None:
+    if _needs_bf16(cfg):
+        return _needs_bf16(cfg)
+    if _dp_cp(cfg) < 2 or cfg.parallel.zero != 0:
+        return f"plants in the all-reduce of bf16's ZeRO-0 replicas (FSDP2 on dp*cp replicas of one shard: " \
+               f"parallel.zero=0 with dp*cp > 1; here zero={cfg.parallel.zero}, dp*cp={_dp_cp(cfg)}); with " \
+               "sharded units inject fsdp-reduce-bf16"
+    return None
 
 
 def _needs_fsdp_bf16(cfg: Config) -> str | None:
@@ -254,9 +274,10 @@ CATALOGUE: dict[str, Injection] = {i.name: i for i in (
     Injection("cp-loss-unreduced", "scalar", "the step's loss is averaged over dp only, not dp x cp: each cp rank "
               "reports its own chunks' loss (gradients exact; the verdict must name the rank)", "tiny cp=2",
               {"config": "tiny", "parallel.cp": 2}, "scalar", _needs_cp),
-    Injection("ddp-reduce-bf16", "bf16", "DDP all-reduces the gradients in bf16 instead of fp32 (bf16_compress_hook)",
+    Injection("replicate-reduce-bf16", "bf16", "the dp replicas all-reduce the gradients in bf16 instead of fp32 "
+              "(ZeRO-0's FSDP2 replica units with the policy's reduce_dtype bf16, DDP's bf16_compress_hook)",
               "tiny dp=2 dtype=bfloat16", {"config": "tiny", "parallel.dp": 2, "train.dtype": "bfloat16"}, r".",
-              _needs_ddp_bf16),
+              _needs_replicas_bf16),
     Injection("fsdp-reduce-bf16", "bf16", "FSDP reduce-scatters the gradients in bf16 instead of fp32 (the "
               "policy's reduce_dtype)", "tiny dp=2 zero=3 dtype=bfloat16",
               {"config": "tiny", "parallel.dp": 2, "parallel.zero": 3, "train.dtype": "bfloat16"}, r".",

@@ -174,10 +174,9 @@ def cp_local_lse(stack, cfg: Config, target: str | None) -> Planted:
             rep = q.shape[1] // k.shape[1]
             kr, vr = cpm._rep(k, rep), cpm._rep(v, rep)
             lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)  # [B, H, Tl]
-            with torch.autocast(q.device.type, enabled=False):
-                for qs, ks, causal in plans[rank]:  # own keys only: every query sees at least its own position
-                    lse_b = cpm._attn_fwd(q[:, :, qs], kr[:, :, ks], vr[:, :, ks], causal)[1]
-                    lse[..., qs] = torch.logaddexp(lse[..., qs], lse_b.float())
+            for qs, ks, causal in plans[rank]:  # own keys only: every query sees at least its own position
+                lse_b = cpm._attn_fwd(q[:, :, qs], kr[:, :, ks], vr[:, :, ks], causal)[1]
+                lse[..., qs] = torch.logaddexp(lse[..., qs], lse_b.float())
             ctx.save_for_backward(q, k, v, out, lse)
             return out
 

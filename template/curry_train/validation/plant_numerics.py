@@ -45,31 +45,12 @@ def cp_loss_unreduced(stack, cfg: Config, target: str | None) -> Planted:
     return Planted()
 
 
-def ddp_reduce_bf16(stack, cfg: Config, target: str | None) -> Planted:
-    """DDP all-reduces the fp32 gradients in bf16 (what torch's bf16_compress_hook does, which is CUDA/NCCL-only:
-    cast, divide, all-reduce, cast back), where the bf16 layouts promise an fp32 reduction: every gradient
-    rounded to 8 mantissa bits."""
-    import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel
-
-    def bf16_reduce(group, bucket):
-        buf = bucket.buffer()
-        low = buf.to(torch.bfloat16).div_(dist.get_world_size(group))
-        fut = dist.all_reduce(low, group=group, async_op=True).get_future()
-        return fut.then(lambda f: buf.copy_(f.value()[0]))
-
-    def after(par: Any) -> None:
-        for part in par.parts:
-            if isinstance(part, DistributedDataParallel):
-                part.register_comm_hook(part.process_group, bf16_reduce)
-
-    return Planted(after_setup=after)
-
-
 def fsdp_reduce_bf16(stack, cfg: Config, target: str | None) -> Planted:
     """FSDP2's MixedPrecisionPolicy with reduce_dtype=bfloat16 (parallel/fsdp.py fsdp_kwargs returns the policy
-    every unit gets; apply_fsdp looks it up by name): gradients reduce-scattered in bf16, not fp32. Everything
-    else of the policy is the real one's (dataclasses.replace), so the reduction is the only difference."""
+    every unit gets; apply_fsdp looks it up by name): gradients reduce-scattered (fsdp-reduce-bf16, sharded units)
+    or all-reduced across ZeRO-0's replicas (replicate-reduce-bf16, the bf16 form of DDP's bf16_compress_hook) in
+    bf16, not fp32. Everything else of the policy is the real one's (dataclasses.replace), so the reduction is the
+    only difference."""
     import dataclasses
 
     from curry_train.parallel import fsdp
@@ -105,7 +86,7 @@ PLANTERS = {
     "lr-warmup-restart": lr_warmup_restart,
     "mid-layer-forward": mid_layer_forward,
     "cp-loss-unreduced": cp_loss_unreduced,
-    "ddp-reduce-bf16": ddp_reduce_bf16,
+    "replicate-reduce-bf16": fsdp_reduce_bf16,
     "fsdp-reduce-bf16": fsdp_reduce_bf16,
     "tp-partial-sum-1pct": tp_partial_sum_1pct,
 }

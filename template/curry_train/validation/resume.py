@@ -78,22 +78,21 @@ def layout_from(cfg: Config, spec: str | Config) -> Config:
     if diff:
         raise WhiteboxInputError(f"--resume-from-layout: the saving config differs in {', '.join(diff)}; a resume "
                                  "white-box changes the layout only: give the same model, train and data sections")
-    _same_casts(a, cfg)
+    _same_bounds(a, cfg)
     return a
 
 
-def _same_casts(a: Config, b: Config) -> None:
-    """bf16: one reference makes the casts of both phases, so the layouts must share them (wrapping.precision_path)."""
+def _same_bounds(a: Config, b: Config) -> None:
+    """bf16: every layout makes the same casts (FSDP2's policy, wrapping.precision_path), so any pair's references
+    match their runs; but tp, cp and ep round other partial sums and are held to relative bounds, the others to
+    the fp32 ones (compare.bf16_cast_exact), and the merged verdict states one set of bounds: both must share it."""
     from curry_train.validation.compare import bf16_cast_exact
-    from curry_train.wrapping import precision_path
 
-    def casts(c: Config) -> tuple:
-        p = c.parallel
-        return precision_path(c.train.dtype, p.dp, p.cp, p.zero, p.tp), bf16_cast_exact(c)
-
-    if b.train.dtype == "bfloat16" and casts(a) != casts(b):
-        raise WhiteboxInputError("--resume-from-layout: in bfloat16 both layouts must make the same casts "
-                                 f"({casts(a)} vs {casts(b)}); use train.dtype=float32, where every layout pair works")
+    if b.train.dtype == "bfloat16" and bf16_cast_exact(a) != bf16_cast_exact(b):
+        bounds = {True: "the fp32 bounds (dp, ZeRO/FSDP, pp, recompute)", False: "relative bf16 bounds (tp, cp, ep)"}
+        raise WhiteboxInputError("--resume-from-layout: in bfloat16 both layouts must be held to the same bounds "
+                                 f"(A: {bounds[bf16_cast_exact(a)]}, B: {bounds[bf16_cast_exact(b)]}); pair layouts "
+                                 "of one kind, or use train.dtype=float32, where every layout pair works")
 
 
 def _spec(cfg: Config, steps: int, tag: str, out_dir: Path, **kw: Any) -> dict[str, Any]:
@@ -181,10 +180,9 @@ def resume_verdict(cfg: Config, par_b: dict[str, Any], ckpt: dict[str, torch.Ten
         failures.append(f"resume position: resumed at step {par_b.get('start')} with lr {lrs}, expected step {step} "
                         f"with lr {want} (train/optim.py lr_at)")
     use["resume_position"] = 0.0 if not wrong and par_b.get("start") == step and lrs == want else 2.0
-    p = cfg.parallel
     single = from_dict({**cfg.to_dict(), "parallel": {}}, validate=False)
-    ref = reference(single, steps, list(par_b.get("params") or []), precision_path(cfg.train.dtype, p.dp, p.cp,
-                    p.zero, p.tp), start=step, init=ckpt)
+    ref = reference(single, steps, list(par_b.get("params") or []), precision_path(cfg.train.dtype), start=step,
+                    init=ckpt)
     vb = compare(cfg, ref, par_b, steps, first=step)
     va = None
     if par_a is not None and cfg_a is not None:

@@ -155,11 +155,13 @@ def reference(cfg: Config, steps: int, weights: list[dict[str, torch.Tensor] | N
     and every step is held to the step-0 bounds (validation/compare.py, "re-sync"). The optimizer state stays the
     reference's own, built from its gradients at those weights. `starts[s]`: the weights step s started from.
 
-    `cast` (wrapping.precision_path of the parallel layout): the bf16 casts the ranks make, made here on fp32
-    master weights too: "autocast" runs the forward under torch.autocast(bfloat16) (DDP, TP, PP, CP, single);
-    "mp" computes with bfloat16 copies of every parameter (torch.func.functional_call over p.to(bfloat16), whose
-    backward casts each gradient back to fp32: FSDP2's MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32),
-    which reduce-scatters every micro-step, parallel/parallelize.py grad_sync). The optimizer stays fp32.
+    `cast` (wrapping.precision_path of the run's dtype): the bf16 casts the ranks make, made here on fp32 master
+    weights too: "mp" computes with bfloat16 copies of every parameter, inputs not cast (the RoPE tables fp32),
+    whose backward gradients are cast back to fp32 and added to the fp32 .grad each micro-step: FSDP2's
+    MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32), which every bf16 layout runs (wrapping.py), and
+    whose fp32 accumulation is the same whether it reduces every micro-step (ZeRO-2/3) or holds the unsharded
+    fp32 sum until the last (ZeRO-0/1, PP: to_accumulated_grad_if_needed upcasts, then adds). The optimizer
+    stays fp32.
 
     `start`, `init` (validation/resume.py): the steps are start .. start + steps - 1 (their data and lr), from a
     checkpoint read to full tensors ({"model.<name>", "optim.<name>.exp_avg|exp_avg_sq|step"}): its weights and
@@ -218,8 +220,7 @@ def _micro_step(model: torch.nn.Module, x: torch.Tensor, positions: torch.Tensor
     if cast == "fp32":
         loss = lm_loss(model(x, positions), y)
     else:  # the model's own (chunked) loss, as the ranks run it: its bf16 head per chunk is part of the casts
-        with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=cast == "autocast"):
-            loss = run(x, positions, targets=y)
+        loss = run(x, positions, targets=y)
     extra = aux_loss(run)
     ((loss if extra is None else loss + extra) / k).backward()
     if run is not model:  # reduce_dtype fp32: each micro-step's bf16 gradient cast up, then accumulated
@@ -309,12 +310,12 @@ def single_device_reference(cfg: Config, steps: int,
 
     The reference runs on one device, so it depends on the model, train, data and hardware sections only; it is
     run on the config with `parallel` at its defaults, so that a layout cannot leak into it and the uninterrupted
-    reference of two layouts of one model is one object; only the layout's bf16 casts (wrapping.precision_path)
-    are taken from it. A re-synchronised one depends on the parallel run's weights and is computed per run."""
+    reference of two layouts of one model is one object; its casts follow the dtype alone (wrapping.precision_path:
+    every bf16 layout runs FSDP2's policy). A re-synchronised one depends on the parallel run's weights and is
+    computed per run."""
     from curry_train.wrapping import precision_path
 
-    p = cfg.parallel
-    cast = precision_path(cfg.train.dtype, p.dp, p.cp, p.zero, p.tp)  # the layout's bf16 casts, none in fp32
+    cast = precision_path(cfg.train.dtype)  # the ranks' bf16 casts, none in fp32
     single = from_dict({**cfg.to_dict(), "parallel": {}}, validate=False)
     if weights is not None:
         return reference(single, steps, weights, cast)
