@@ -44,8 +44,7 @@ from curry_train.estimator.profiles import HardwareProfile
 from curry_train.estimator.states import _states
 from curry_train.wrapping import shards_optimizer_only
 
-FIRST_BUCKET_BYTES = 1 * 2**20  # DDP's first bucket; later ones are 25 MiB
-BUCKET_BYTES = 25 * 2**20
+FIRST_BUCKET_BYTES, BUCKET_BYTES = 1 * 2**20, 25 * 2**20  # DDP's first bucket, and the later ones
 # Compute that overlaps a collective runs 18.9% slower on average (max 40%): Lee et al. 2025, "Characterizing
 # Compute-Communication Overlap in GPU-Accelerated Distributed Deep Learning" (arXiv:2507.03114), GPT and Llama
 # training on A100, H100, MI250 and MI210. The cause is the collective's own kernels: NCCL runs one CTA per
