@@ -15,7 +15,8 @@ from curry_train.advice.advisor import recommend_next
 from curry_train.advice.planner import plan
 from curry_train.advice.search import PEAK_ERROR_BAND, PEAK_ERROR_MEASURED, Row, choose
 from curry_train.advice.tune import REMOVE_GAIN
-from curry_train.estimator import GiB, load_any
+from curry_train.estimator import GiB, estimate, load_any
+from curry_train.rules import anti_patterns
 
 from tests.conftest import PRESETS
 
@@ -66,14 +67,35 @@ def test_an_oom_far_from_the_estimate_asks_for_a_measurement_and_names_the_rung(
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_slow_never_answers_worse_than_no_symptom_or_the_plan(name):
-    none, slow = recommend_next(name), recommend_next(name, "slow")
+def test_recommend_next_and_plan_never_disagree(name):
+    """One plan and recommend_next for every symptom per preset (the plans are the costly part, so both families
+    of checks read the same ones). Slow never answers worse than no symptom or the plan. More GPUs only when plan
+    finds nothing (and the same node count); a fitting estimate means plan fits; a removed primitive is one plan
+    also uses less of; an added one carries no anti-pattern. No answer shows an internal word."""
+    cfg = load_any(name)
+    answers = {symptom: recommend_next(name, symptom) for symptom in (None, "oom", "slow", "none")}
+    none, slow = answers[None], answers["slow"]
     assert slow.step_time_after_s <= none.step_time_after_s * (1 + 1e-9), (name, none.reason, slow.reason)
     p = _plan_for(name)
     if p.fits and p.final_step_time_s < slow.step_time_before_s * (1 - REMOVE_GAIN):
         assert slow.action != "none", (name, p.final, slow.reason)  # the plan is 10% faster: slow finds a lever
     for r in (none, slow):
         assert not INTERNAL.search(r.reason) and not any(INTERNAL.search(x) for x in r.rejected)
+    if estimate(cfg).fits:
+        assert p.fits, name
+    par, recompute = cfg.parallel, ["none", "selective", "full"]
+    for symptom, r in answers.items():
+        assert not (r.more_gpus_needed and p.fits), (name, symptom)
+        if r.more_gpus_needed:
+            assert r.min_nodes_to_fit == p.min_nodes_to_fit, (name, symptom)
+        if r.action == "remove" and r.primitive in ("tp", "pp", "cp", "ep"):
+            assert p.final[r.primitive] < getattr(par, r.primitive), (name, symptom, p.final)
+        elif r.action == "remove" and r.primitive == "recompute":
+            assert recompute.index(p.final["recompute"]) <= recompute.index(par.recompute), (name, p.final)
+        elif r.action == "add":
+            after = load_any(cfg, r.config_patch, validate=False)
+            new = {a.id for a in anti_patterns(after)} - {a.id for a in anti_patterns(cfg)}
+            assert not new, (name, symptom, r.config_patch, new)
 
 
 # ----------------------------------------------------------------------------------------------- removals
