@@ -81,6 +81,16 @@ def torchrun_via_forkserver(monkeypatch: pytest.MonkeyPatch) -> type[ForkJob]:
 
 
 @pytest.fixture
+def worker_via_forkserver(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The MCP server's long tools start tests/forkworker.py: the real worker, its ranks forked from a forkserver of
+    its own instead of torchrun (for in-memory MCP tests of a tool, not of torchrun's tree kills)."""
+    import curry_train_mcp.jobs as jobs
+
+    monkeypatch.setattr(jobs, "WORKER", "tests.forkworker")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+
+
+@pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"
 

@@ -292,11 +292,12 @@ def test_a_cancelled_climb_passes_the_cancel_to_every_launch_and_starts_no_furth
 @pytest.mark.multirank
 @pytest.mark.slow
 @pytest.mark.anyio
-async def test_climb_over_mcp_is_the_cli_climb(project, monkeypatch):
+async def test_climb_over_mcp_is_the_cli_climb(project, monkeypatch, worker_via_forkserver):
     """The `climb` tool runs the CLI's climb in a worker: the same rung the CLI's advisor picks for the measured
     peak, one training run across the rungs (the losses of 3 + 3 steps are the uninterrupted single-device run's,
     as test_each_rung_resumes_the_previous_rungs_checkpoint_for_real checks for the CLI), the same configs and
-    ledger, and a progress notification for every rung."""
+    ledger, and a progress notification for every rung. The worker forks its ranks (tests/forkworker.py): what
+    is tested is the tool and the climb, and torchrun is tests/test_cli.py's."""
     import torch
     from curry_train.store.runs import Ledger
     from curry_train.train.loop import setup, train_step
