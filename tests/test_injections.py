@@ -11,6 +11,7 @@ import pytest
 from curry_train.cli import main
 from curry_train.config import load_config
 from curry_train.validation.compare import module_of
+from curry_train.validation.horizon import default_steps
 from curry_train.validation.inject import CATALOGUE, listing
 
 from tests.conftest import PRESETS
@@ -79,6 +80,8 @@ def test_every_planted_bug_fails_on_its_natural_layout_and_is_named(tmp_path):
     assert hsdp.diverging_rank == 2, (hsdp.diverging_rank, hsdp.failures[:3])
     # the holes of the white-box's horizon, localisation and bf16 (each passed, or was localised to the embedding
     # or to no rank, before; docs/CPU-DISTRIBUTED.md, "White-box checks")
+    # each bug at the horizon `curry-train whitebox --inject NAME` compares on its natural layout alone
+    assert {n: v.steps for n, v in by.items()} == {n: default_steps(_natural(n)) for n in by}
     assert by["lr-warmup-restart"].steps == 3  # default_steps reaches the first step after the warm-up ...
     assert by["lr-warmup-restart"].worst_parameter.name.startswith("param[step 2]")  # ... where the bug starts
     for name in ("mid-layer-forward", "tp-partial-sum-1pct"):  # forward bugs located by the forward activations
