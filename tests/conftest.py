@@ -70,22 +70,22 @@ def project(tmp_path: Path) -> Path:
     return tmp_path
 
 
-@pytest.fixture
-def torchrun_via_forkserver(monkeypatch: pytest.MonkeyPatch) -> type[ForkJob]:
-    """launch.start_torchrun, and run_torchrun through it, forked from this process's forkserver pool
-    (tests/forkrun.py): for tests of what the ranks run (bench, train, white-box, climb), not of torchrun."""
+@pytest.fixture(autouse=True)
+def _ranks_forked_unless_torchrun(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """In a `multirank` test not marked `torchrun`, launch.start_torchrun (and run_torchrun through it) forks the
+    ranks from this process's forkserver pool (tests/forkrun.py), and the MCP server's long tools start
+    tests/forkworker.py, the real worker forking its ranks likewise. So a test of what the ranks compute (bench,
+    train, white-box, climb, an MCP tool) costs one fork per rank, not torchrun's agent and a cold torch import per
+    rank; torchrun's own contracts (exit codes, tree kills at deadlines, SIGTERM-ignoring ranks, the OOM marker,
+    multi-node agents, cancellation) are the tests marked `torchrun` and those that start a CLI or a server as a
+    subprocess, which this cannot reach."""
+    node = request.node
+    if not node.get_closest_marker("multirank") or node.get_closest_marker("torchrun"):
+        return
     import curry_train.train.launch as launch
-
-    monkeypatch.setattr(launch, "start_torchrun", ForkJob)
-    return ForkJob
-
-
-@pytest.fixture
-def worker_via_forkserver(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The MCP server's long tools start tests/forkworker.py: the real worker, its ranks forked from a forkserver of
-    its own instead of torchrun (for in-memory MCP tests of a tool, not of torchrun's tree kills)."""
     import curry_train_mcp.jobs as jobs
 
+    monkeypatch.setattr(launch, "start_torchrun", ForkJob)
     monkeypatch.setattr(jobs, "WORKER", "tests.forkworker")
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
 
@@ -159,7 +159,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         names = _names_reached(fn, seen)
         for defs in item._fixtureinfo.name2fixturedefs.values():
             for d in defs:
-                if d.func is not _GUARD:  # the guard names the launchers to refuse them; it launches nothing
+                if d.func not in _HARNESS:  # they name the launchers to refuse or swap them; they launch nothing
                     names |= _names_reached(d.func, seen)
         if names & LAUNCHERS and not item.get_closest_marker("multirank"):
             item.add_marker(pytest.mark.multirank)
@@ -238,4 +238,4 @@ def _launches_only_when_marked(request: pytest.FixtureRequest, monkeypatch: pyte
                     "mark it by hand", pytrace=False)
 
 
-_GUARD = getattr(_launches_only_when_marked, "__wrapped__", _launches_only_when_marked)
+_HARNESS = {getattr(f, "__wrapped__", f) for f in (_launches_only_when_marked, _ranks_forked_unless_torchrun)}

@@ -1,5 +1,6 @@
 """The MCP worker (curry_train_mcp/worker.py) with torchrun swapped for the forkserver: `python -m tests.forkworker
-'<json request>'`, which tests/conftest.py's `worker_via_forkserver` fixture makes jobs.run_worker start.
+'<json request>'`, which jobs.run_worker starts in every multirank test not marked `torchrun`
+(tests/conftest.py, `_ranks_forked_unless_torchrun`).
 
 For in-memory MCP tests whose subject is the tool (its arguments, progress, ledger, configs, device lock), not
 torchrun: the worker is the real one, a process of its own with the same line protocol, but its ranks fork from a

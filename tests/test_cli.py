@@ -1,10 +1,10 @@
 """The CLI end to end through real torchrun, once per contract: exit 0 (a passing white-box, recorded), exit 1 (a
 failed parity check naming the parameter), exit 3 (a run that cannot finish), a two-rank train with progress and a
 checkpoint saved under torchrun's environment; exit 2 on bad input with nothing launched. Every other test of what
-the ranks compute forks them from the forkserver (tests/conftest.py `torchrun_via_forkserver`, whitebox_pool); the
-other torchrun contracts are the two-agent multi-node run (tests/test_multinode.py) and the MCP worker's rank
-faults: a hang killed at its deadline with its tree, a SIGTERM-ignoring rank, the OOM marker
-(tests/reliability/test_faults.py)."""
+the ranks compute forks them from the forkserver (tests/conftest.py `_ranks_forked_unless_torchrun`, whitebox_pool);
+the other torchrun contracts are the two-agent multi-node run (tests/test_multinode.py) and, marked `torchrun`, the
+MCP worker's rank faults: a hang killed at its deadline with its tree, a SIGTERM-ignoring rank, the OOM marker
+(tests/reliability/test_faults.py), and a cancelled bench (tests/test_mcp_server.py)."""
 
 from __future__ import annotations
 
@@ -51,8 +51,7 @@ def test_a_run_that_cannot_finish_exits_3_not_1(project):
     assert "could not finish" in r.stderr
 
 
-def test_train_through_torchrun_reports_progress_saves_and_resumes_in_another_layout(project, tmp_path, capsys,
-                                                                                      torchrun_via_forkserver):
+def test_train_through_torchrun_reports_progress_saves_and_resumes_in_another_layout(project, tmp_path, capsys):
     """Two ranks (ZeRO-3) through torchrun: progress on stderr, the single-device run's losses, a checkpoint saved
     by DCP under torchrun's environment; it resumes at TP 2 x ZeRO-2 on four ranks (forked: the resume's rank code
     is the same under either launcher) and the run continues as if never interrupted."""

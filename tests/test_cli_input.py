@@ -143,7 +143,8 @@ def test_closed_stdout_gives_no_traceback(project, args):
     assert r.returncode == 141
 
 
-def test_train_warns_about_zero_at_dp1_before_it_launches(project, capsys, torchrun_via_forkserver):
+@pytest.mark.multirank
+def test_train_warns_about_zero_at_dp1_before_it_launches(project, capsys):
     """In process, its one rank forked (train's progress through torchrun: tests/test_cli.py)."""
     from curry_train.cli import main
 

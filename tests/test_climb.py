@@ -145,7 +145,7 @@ def test_a_lost_checkpoint_stops_the_climb_with_a_clear_error(project, fake_runs
 
 
 @pytest.mark.multirank
-def test_each_rung_resumes_the_previous_rungs_checkpoint_for_real(project, monkeypatch, torchrun_via_forkserver):
+def test_each_rung_resumes_the_previous_rungs_checkpoint_for_real(project, monkeypatch):
     """The real bench, checkpoint and white-box of every rung, their ranks forked (tests/forkrun.py): what is
     tested is the ranks' resume across layouts; the CLI's own resume through torchrun is test_checkpoint.py's."""
     import torch
@@ -292,7 +292,7 @@ def test_a_cancelled_climb_passes_the_cancel_to_every_launch_and_starts_no_furth
 @pytest.mark.multirank
 @pytest.mark.slow
 @pytest.mark.anyio
-async def test_climb_over_mcp_is_the_cli_climb(project, monkeypatch, worker_via_forkserver):
+async def test_climb_over_mcp_is_the_cli_climb(project, monkeypatch):
     """The `climb` tool runs the CLI's climb in a worker: the same rung the CLI's advisor picks for the measured
     peak, one training run across the rungs (the losses of 3 + 3 steps are the uninterrupted single-device run's,
     as test_each_rung_resumes_the_previous_rungs_checkpoint_for_real checks for the CLI), the same configs and

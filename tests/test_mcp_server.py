@@ -255,6 +255,7 @@ def test_importing_the_server_does_not_import_torch():
 # ------------------------------------------------------------------------------------------ cancellation
 
 
+@pytest.mark.torchrun  # the worker kills torchrun's process group
 @pytest.mark.multirank
 @pytest.mark.anyio
 async def test_cancelling_a_bench_kills_every_process_it_started(project):

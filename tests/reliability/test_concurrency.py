@@ -58,8 +58,7 @@ def _args(args: dict[str, Any], ids: dict[str, str]) -> dict[str, Any]:
 
 
 @pytest.mark.anyio
-async def test_benches_serialise_on_the_device_lock_while_cheap_tools_keep_answering_correctly(project,
-                                                                                             worker_via_forkserver):
+async def test_benches_serialise_on_the_device_lock_while_cheap_tools_keep_answering_correctly(project):
     ids = _seed_runs(project)
     latencies: dict[str, list[float]] = defaultdict(list)
     during: list[float] = []
