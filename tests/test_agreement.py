@@ -127,7 +127,7 @@ def test_a_removal_inside_the_tie_band_is_not_advised():
 
 
 def test_a_removal_may_pay_through_the_micro_batch_it_leaves_room_for():
-    # Issue 25 Deliver 4: a removal that frees memory the user can spend. tiny on one 6 MiB device with selective
+    # A removal that frees memory the user can spend. tiny on one 6 MiB device with selective
     # recompute: dropping it alone gains under REMOVE_GAIN, doubling the micro-batch alone gains less still, but
     # both together fit and gain more than REMOVE_GAIN, and the reason says what is gained
     r = recommend_next("tiny", None, {"parallel.recompute": "selective", "train.micro_batch": 1,

@@ -254,3 +254,17 @@ def test_no_test_file_is_over_400_lines():
     long = {str(f.relative_to(REPO)): n for f in (REPO / "tests").rglob("*.py")
             if (n := len(f.read_text(encoding="utf-8").splitlines())) > 400}
     assert long == {}
+
+
+# A comment cites the repository's docs (docs/...#section) or a paper, not a tracker the repository does not ship;
+# another project's issue (owner/repo issue N, or its URL) is a citation.
+_ISSUE = re.compile(r"\bissues? #?\d+", re.IGNORECASE)
+_EXTERNAL = re.compile(r"[\w.-]+/[\w.-]+ issues? #?\d+|https?://", re.IGNORECASE)
+
+
+def test_no_source_file_cites_an_issue_number():
+    cites = [f"{f.relative_to(REPO)}:{i}: {line.strip()[:100]}"
+             for top in (*ROOTS.values(), REPO / "tests", REPO / "scripts") for f in sorted(top.rglob("*.py"))
+             for i, line in enumerate(f.read_text(encoding="utf-8").splitlines(), 1)
+             if _ISSUE.search(line) and not _EXTERNAL.search(line)]
+    assert cites == [], "\n".join(cites)

@@ -1,4 +1,4 @@
-"""What a newcomer meets on the command line (issue 20 items 3, 4, 8): bad numbers refused in one line with exit 2,
+"""What a newcomer meets on the command line: bad numbers refused in one line with exit 2,
 a missing YAML path named as missing, units that scale, no 'None' in the sweep, metrics in `runs`, a full
 `runs --diff`, help and defaults on every option, a warning for ZeRO at dp=1 (from `estimate` and from `train`), and
 no traceback when the reader of stdout goes away (`| head`). Each drives the real CLI in a subprocess but the train
@@ -54,7 +54,6 @@ def _numeric_options():
 
 def test_every_numeric_option_has_a_range_checking_type():
     # a bare int/float lets -3 through to a traceback deep in the tool; whitebox is validated in its own module
-    # (issue 20 items 1-2)
     bare = [f"{n} {a.option_strings}" for n, a in _numeric_options() if a.type in (int, float)
             and (n, a.dest) not in {("whitebox", "steps"), ("whitebox", "timeout")}]
     assert bare == []

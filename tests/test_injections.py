@@ -59,7 +59,7 @@ def test_every_planted_bug_fails_on_its_natural_layout_and_is_named(tmp_path):
         assert re.search(inj.touches, worst), (name, v.worst_parameter.name)
         assert v.first_diverging_layer == FIRST_LAYER.get(name, "tok_embeddings"), (name, v.first_diverging_layer)
         assert any(re.search(inj.touches, f) for f in v.failures), (name, v.failures[:3])
-    # the three the old harness let through (issue 18): caught by the update bound, the replica check, the data
+    # the three the old harness let through: caught by the update bound, the replica check, the data
     assert by["zero1-no-weight-decay"].worst_parameter.name.startswith("param[step 0]")
     assert "norm" in by["zero1-no-weight-decay"].worst_parameter.name
     assert by["replica-lr"].worst_parameter.name.startswith("param[step 0, rank 1]")
@@ -126,7 +126,7 @@ def test_the_catalogue_lists_every_name_with_family_and_layout(capsys):
     (["--set", "parallel.dp=2", "--inject", "ep-expert-ep-averaged"], "this model is dense"),
     (["--inject", "hsdp-expert-no-replica-allreduce", "--set", "parallel.dp=4", "--set", "parallel.dp_replicate=2",
       "--set", "parallel.zero=3"], "this model is dense"),
-    (["--break-grad-sync", "output.weight"], "dp=1"),  # the old self-test at dp=1 passed silently (issue 20)
+    (["--break-grad-sync", "output.weight"], "dp=1"),  # the old self-test at dp=1 passed silently
     (["--steps", "0"], "at least 1 optimizer step"),
     (["--steps", "-1"], "at least 1 optimizer step"),
     (["--timeout", "-1"], "positive number of seconds"),
