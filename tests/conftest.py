@@ -178,9 +178,10 @@ def _in_lanes(items: list[pytest.Item], cold: set[int]) -> list[pytest.Item]:
     CPU-s with --dist=worksteal: oversubscribed ranks cost 40% more CPU), but one lane holding every launching test
     grew to the whole suite's length while the other two workers sat idle (a full run's durations: the 74
     launching tests, all on one worker, summed to 937 s, the other 1,060 tests to about 260 s).
-    So: lane 1, the tests whose ranks fork from this process's forkserver pool (torch preloaded once;
-    tests/whitebox_pool.py shares verdicts within it); lane 2, torchrun, the MCP worker and the fault tests, which
-    mostly wait on cold process starts and deadlines. xdist's load scheduler (pytest-xdist 3.8, LoadScheduling)
+    So: lane 1, the tests that name the forkserver pool (torch preloaded once; tests/whitebox_pool.py shares
+    verdicts within it); lane 2, the rest: torchrun, the MCP worker, the fault tests, which mostly wait on cold
+    process starts and deadlines, and the in-process tool runs whose torchrun `_ranks_forked_unless_torchrun` swaps
+    for a forkserver of that worker's own. xdist's load scheduler (pytest-xdist 3.8, LoadScheduling)
     hands worker k the k-th batch of len(items) // workers // 4 consecutive tests and the rest one by one to
     whichever worker runs short, so each lane is padded with quick tests to one batch. (--dist=loadgroup would
     say this by marks, but pytest 9 ignores the node id it rewrites.) Without xdist, or when a lane outgrows a
