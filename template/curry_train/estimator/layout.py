@@ -15,7 +15,7 @@ from curry_train.fsdp_units import reshard_after_forward
 from curry_train.pipeline_split import layers_per_stage, stage_layer_range
 from curry_train.rules import ep_spans_tp
 from curry_train.sac_rule import saved_matmuls
-from curry_train.wrapping import data_parallel_wrapper, expert_replicas, fsdp_holds_step
+from curry_train.wrapping import data_parallel_wrapper, expert_replicas, fsdp_holds_step, precision_path
 
 GiB = 2**30
 
@@ -154,10 +154,8 @@ class Layout:
 
     @cached_property  # (read in the planner's hot loops; the fields are frozen)
     def precision(self) -> str:
-        """fp32 | autocast | mp: which mixed-precision mechanism computes the model."""
-        if self.dtype == "float32":
-            return "fp32"
-        return "mp" if self.fsdp else "autocast"
+        """fp32 | autocast | mp: which mixed-precision mechanism computes the model (wrapping.precision_path)."""
+        return precision_path(self.dtype, self.dp, self.cp, self.zero, self.tp)
 
     @property
     def world(self) -> int:
