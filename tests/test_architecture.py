@@ -268,3 +268,17 @@ def test_no_source_file_cites_an_issue_number():
              for i, line in enumerate(f.read_text(encoding="utf-8").splitlines(), 1)
              if _ISSUE.search(line) and not _EXTERNAL.search(line)]
     assert cites == [], "\n".join(cites)
+
+
+def test_ruff_check_is_clean():
+    """The style rules (pyproject.toml [tool.ruff]: line length 120, imports sorted, pyupgrade) hold everywhere."""
+    import shutil
+    import subprocess
+    import sys
+
+    ruff = shutil.which("ruff", path=str(Path(sys.executable).parent)) or shutil.which("ruff")
+    if ruff is None:
+        pytest.skip("ruff is not installed: pip install -e '.[dev]' (scripts/setup.sh does)")
+    r = subprocess.run([ruff, "check", "--quiet", str(REPO)], capture_output=True, text=True, timeout=120,
+                       check=False)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
