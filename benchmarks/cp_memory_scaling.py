@@ -1,4 +1,4 @@
-"""Context parallel at growing sequence length: per-rank (peak - model states) and CPU throughput (issue 17).
+"""Context parallel at growing sequence length: per-rank (peak - model states) and CPU throughput.
 
     .venv/bin/python benchmarks/cp_memory_scaling.py [--seqs 1024 2048] [--cp 2] [--steps 3]
 

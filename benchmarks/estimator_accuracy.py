@@ -64,7 +64,7 @@ MATRIX: dict[str, dict[str, Any]] = {
     "pp2-ddp2": {"parallel.pp": 2, "parallel.dp": 2, "train.global_batch": 8, "train.micro_batch": 1},
     "pp2-tp2": {"parallel.pp": 2, "parallel.tp": 2},
     "pp2-dp2-zero3": {"parallel.pp": 2, "parallel.dp": 2, "parallel.zero": 3, "train.micro_batch": 1},
-    # parameter-heavy (issue 17): torch pipelining keeps every FSDP unit of a stage unsharded from its backward
+    # parameter-heavy: torch pipelining keeps every FSDP unit of a stage unsharded from its backward
     # until its next forward (set_reshard_after_backward(False)); estimator.pipeline._kept_units models it per
     # schedule: gpipe, 1f1b and interleaved, zero 2 and zero 3, fp32 and bf16; and zero bubble, whose input /
     # weight passes run on every unit of the chunk gathered (parallel/pipeline.py _split_backward_stage). Zero 3

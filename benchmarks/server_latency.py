@@ -5,7 +5,7 @@
 cold_start_s: spawn `python -m curry_train.cli mcp` -> initialize -> tools/list answered (median of --starts
 fresh processes; the same command `curry-train mcp` runs). estimate_p50_ms / p99: round trips of
 estimate_memory(config="llama3-8b", overrides={...}) on one warm session, cycling through a few layouts so no
-result can come from a cache. Goals (issue 11): cold start < 1.0 s, p50 < 20 ms. Final line: one JSON object.
+result can come from a cache. Goals (BENCHMARKS.md): cold start < 1.0 s, p50 < 20 ms. Final line: one JSON object.
 """
 
 from __future__ import annotations

@@ -2,12 +2,20 @@
 
     .venv/bin/python benchmarks/suite_cpu.py tests/test_train_essentials.py           # one process, -n 0
     .venv/bin/python benchmarks/suite_cpu.py tests/test_climb.py::test_climb_over_mcp_is_the_cli_climb
+    .venv/bin/python benchmarks/suite_cpu.py --per-test 20 tests/parallel   # also each test's CPU-s, 20 costliest
 
 On the shared 2-core machine wall time depends on the neighbours; CPU-seconds (user + sys) mostly do not, and with
 -n 2 on 2 cores the suite's wall is about its CPU-seconds / 2. Ranks forked by the
 forkserver are its children, not pytest's, and the forkserver itself is not always waited for at exit, so this
 process makes itself the child subreaper (prctl PR_SET_CHILD_SUBREAPER, Linux: orphaned descendants are re-parented
 to it) and waits for every descendant before reading RUSAGE_CHILDREN: nothing escapes the count.
+
+--per-test N loads this module into pytest as a plugin (`-p benchmarks.suite_cpu`): around each test (set-up, call
+and tear-down) it reads the CPU time of the pytest process, of the children it reaped, and of every live descendant
+with the children each of those reaped (/proc/PID/stat utime, stime, cutime, cstime), so a forkserver's ranks
+count against the test that launched them. A session fixture's cost lands on the first test that uses it. It
+prints the N costliest tests and the CPU-seconds per file; the per-test figures add up to the total within the
+cost of collection and of processes orphaned mid-test.
 """
 
 from __future__ import annotations
@@ -18,8 +26,11 @@ import resource
 import subprocess
 import sys
 import time
+from collections import defaultdict
+from typing import Any
 
 PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h
+TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
 def measure(args: list[str]) -> tuple[int, float, float]:
@@ -38,7 +49,72 @@ def measure(args: list[str]) -> tuple[int, float, float]:
     return rc, wall, ru.ru_utime + ru.ru_stime
 
 
+# ------------------------------------------------------------------------------ the per-test plugin (-p)
+
+
+def _tree_cpu(root: int) -> float:
+    """CPU-seconds of `root` (this process) and everything below it, reaped children included."""
+    parent: dict[int, int] = {}
+    ticks: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+        except OSError:
+            continue
+        parent[int(entry)] = int(fields[1])  # after the comm: state, ppid, ...; utime is field 14 of stat(5)
+        ticks[int(entry)] = sum(int(x) for x in fields[11:15])  # utime stime cutime cstime
+    below: set[int] = set()
+    frontier = {root}
+    while frontier:
+        frontier = {p for p, pp in parent.items() if pp in frontier and p not in below}
+        below |= frontier
+    me = resource.getrusage(resource.RUSAGE_SELF)
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime + sum(ticks[p] for p in below) / TICK
+
+
+_COST: dict[str, float] = {}
+
+
+def pytest_addoption(parser: Any) -> None:
+    parser.addoption("--cpu-top", type=int, default=20, help="suite_cpu: how many of the costliest tests to list")
+
+
+try:
+    import pytest
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_protocol(item: Any, nextitem: Any) -> Any:
+        before = _tree_cpu(os.getpid())
+        yield
+        _COST[item.nodeid] = _tree_cpu(os.getpid()) - before
+except ImportError:  # this module run as the script: no pytest needed
+    pass
+
+
+def pytest_terminal_summary(terminalreporter: Any, config: Any) -> None:
+    if not _COST:
+        return
+    top = config.getoption("--cpu-top")
+    w = terminalreporter.write_line
+    w(f"suite_cpu: per-test CPU-seconds, {top} costliest of {len(_COST)} (total {sum(_COST.values()):.1f})")
+    for nodeid, cpu in sorted(_COST.items(), key=lambda kv: -kv[1])[:top]:
+        w(f"  {cpu:7.1f}  {nodeid}")
+    per_file: dict[str, float] = defaultdict(float)
+    for nodeid, cpu in _COST.items():
+        per_file[nodeid.split("::")[0]] += cpu
+    w("suite_cpu: per-file CPU-seconds")
+    for path, cpu in sorted(per_file.items(), key=lambda kv: -kv[1]):
+        w(f"  {cpu:7.1f}  {path}")
+
+
 if __name__ == "__main__":
-    code, wall_s, cpu_s = measure(sys.argv[1:])
+    argv = sys.argv[1:]
+    if argv[:1] == ["--per-test"]:
+        argv = ["-p", "benchmarks.suite_cpu", f"--cpu-top={argv[1]}", *argv[2:]]
+    code, wall_s, cpu_s = measure(argv)
     print(f"suite_cpu: rc={code} wall={wall_s:.1f}s cpu={cpu_s:.1f}s  {' '.join(sys.argv[1:])}")
     sys.exit(code)

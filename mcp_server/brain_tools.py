@@ -142,8 +142,6 @@ def recommend_next(
 
 def _plan_png(p: Plan) -> bytes:
     """The pipeline timeline of the final layout (its bubble), or its memory breakdown when it has no pipeline."""
-    from curry_train.config import Config
-    from curry_train.estimator import reserve_bytes
     from curry_train.plots import layout_title, memory_breakdown_png, pipeline_timeline_png
 
     f = p.final
@@ -153,10 +151,9 @@ def _plan_png(p: Plan) -> bytes:
     last = p.rungs[-1]
     comp = {k: v * 2**30 for k, v in last.memory_gib.items() if k != "total"}
     title = f"{layout_title(p.model, f)} on {p.gpus} GPUs (no pipeline), estimate"
-    budget = p.gpu_memory_gib * 2**30
-    gpu = Config(hardware={"device": "cuda", "gpu_memory_gib": p.gpu_memory_gib})  # a plan is for GPUs
-    usable = budget - reserve_bytes(gpu)
-    return memory_breakdown_png({"estimate": comp}, title=title, budget_bytes=budget, usable_bytes=usable)
+    usable = p.usable_gib * 2**30  # budget minus the final layout's own reserve, as the planner fitted it
+    return memory_breakdown_png({"estimate": comp}, title=title, budget_bytes=p.gpu_memory_gib * 2**30,
+                                usable_bytes=usable)
 
 
 @mcp.tool(annotations=READ_ONLY, meta=BIG_RESULT)

@@ -28,6 +28,7 @@ from curry_train.train.launch import alive, descendants  # the /proc process tre
 
 logger = logging.getLogger(__name__)
 
+WORKER = "curry_train_mcp.worker"  # the module run_worker starts with `python -m` (worker.py)
 TERM_GRACE_S = 10.0  # the worker needs ~3 s to SIGTERM-then-SIGKILL torchrun's group; leave room
 HEARTBEAT_S = 5.0
 
@@ -80,7 +81,7 @@ async def run_worker(task: str, args: dict[str, Any], *, ctx: Any = None, deadli
     request = json.dumps({"task": task, "args": {**args, "timeout": deadline_s}, "root": root,
                           "server_pid": os.getpid()})
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = await anyio.open_process([sys.executable, "-m", "curry_train_mcp.worker", request],
+    proc = await anyio.open_process([sys.executable, "-m", WORKER, request],
                                     stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=None,
                                     start_new_session=True, env=env)
     t0 = time.monotonic()

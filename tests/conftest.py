@@ -70,14 +70,24 @@ def project(tmp_path: Path) -> Path:
     return tmp_path
 
 
-@pytest.fixture
-def torchrun_via_forkserver(monkeypatch: pytest.MonkeyPatch) -> type[ForkJob]:
-    """launch.start_torchrun, and run_torchrun through it, forked from this process's forkserver pool
-    (tests/forkrun.py): for tests of what the ranks run (bench, train, white-box, climb), not of torchrun."""
+@pytest.fixture(autouse=True)
+def _ranks_forked_unless_torchrun(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """In a `multirank` test not marked `torchrun`, launch.start_torchrun (and run_torchrun through it) forks the
+    ranks from this process's forkserver pool (tests/forkrun.py), and the MCP server's long tools start
+    tests/forkworker.py, the real worker forking its ranks likewise. So a test of what the ranks compute (bench,
+    train, white-box, climb, an MCP tool) costs one fork per rank, not torchrun's agent and a cold torch import per
+    rank; torchrun's own contracts (exit codes, tree kills at deadlines, SIGTERM-ignoring ranks, the OOM marker,
+    multi-node agents, cancellation) are the tests marked `torchrun` and those that start a CLI or a server as a
+    subprocess, which this cannot reach."""
+    node = request.node
+    if not node.get_closest_marker("multirank") or node.get_closest_marker("torchrun"):
+        return
     import curry_train.train.launch as launch
+    import curry_train_mcp.jobs as jobs
 
     monkeypatch.setattr(launch, "start_torchrun", ForkJob)
-    return ForkJob
+    monkeypatch.setattr(jobs, "WORKER", "tests.forkworker")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
 
 
 @pytest.fixture
@@ -149,7 +159,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         names = _names_reached(fn, seen)
         for defs in item._fixtureinfo.name2fixturedefs.values():
             for d in defs:
-                if d.func is not _GUARD:  # the guard names the launchers to refuse them; it launches nothing
+                if d.func not in _HARNESS:  # they name the launchers to refuse or swap them; they launch nothing
                     names |= _names_reached(d.func, seen)
         if names & LAUNCHERS and not item.get_closest_marker("multirank"):
             item.add_marker(pytest.mark.multirank)
@@ -168,9 +178,10 @@ def _in_lanes(items: list[pytest.Item], cold: set[int]) -> list[pytest.Item]:
     CPU-s with --dist=worksteal: oversubscribed ranks cost 40% more CPU), but one lane holding every launching test
     grew to the whole suite's length while the other two workers sat idle (a full run's durations: the 74
     launching tests, all on one worker, summed to 937 s, the other 1,060 tests to about 260 s).
-    So: lane 1, the tests whose ranks fork from this process's forkserver pool (torch preloaded once;
-    tests/whitebox_pool.py shares verdicts within it); lane 2, torchrun, the MCP worker and the fault tests, which
-    mostly wait on cold process starts and deadlines. xdist's load scheduler (pytest-xdist 3.8, LoadScheduling)
+    So: lane 1, the tests that name the forkserver pool (torch preloaded once; tests/whitebox_pool.py shares
+    verdicts within it); lane 2, the rest: torchrun, the MCP worker, the fault tests, which mostly wait on cold
+    process starts and deadlines, and the in-process tool runs whose torchrun `_ranks_forked_unless_torchrun` swaps
+    for a forkserver of that worker's own. xdist's load scheduler (pytest-xdist 3.8, LoadScheduling)
     hands worker k the k-th batch of len(items) // workers // 4 consecutive tests and the rest one by one to
     whichever worker runs short, so each lane is padded with quick tests to one batch. (--dist=loadgroup would
     say this by marks, but pytest 9 ignores the node id it rewrites.) Without xdist, or when a lane outgrows a
@@ -228,4 +239,4 @@ def _launches_only_when_marked(request: pytest.FixtureRequest, monkeypatch: pyte
                     "mark it by hand", pytrace=False)
 
 
-_GUARD = getattr(_launches_only_when_marked, "__wrapped__", _launches_only_when_marked)
+_HARNESS = {getattr(f, "__wrapped__", f) for f in (_launches_only_when_marked, _ranks_forked_unless_torchrun)}

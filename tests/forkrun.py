@@ -1,4 +1,5 @@
-"""torchrun swapped for the forkserver, for tests whose subject is what runs inside the ranks, not torchrun.
+"""torchrun swapped for the forkserver, for tests whose subject is what runs inside the ranks, not torchrun: every
+multirank test not marked `torchrun` (tests/conftest.py, `_ranks_forked_unless_torchrun`).
 
 A torchrun launch costs three or more cold torch imports (the agent and every rank: 5-10 CPU-seconds on the 2-core
 machine); the forkserver forks ranks from a process that imported torch once (docs/CPU-DISTRIBUTED.md, "White-box

@@ -29,7 +29,7 @@ EXPECTED_SKILLS = {
     "primitive-context-parallel",
 }
 
-# The tool contract (issue 7): name -> (accepted arguments, required arguments). `capacity_sweep(config, ...)`
+# The tool contract (docs/CONTRACTS.md): name -> (accepted arguments, required arguments). `capacity_sweep(config, ...)`
 # takes more arguments than the contract fixes, so only `config` is known here; the live-server test checks the
 # rest against the registered input schema.
 TOOLS: dict[str, tuple[set[str] | None, set[str]]] = {

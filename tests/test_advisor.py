@@ -302,7 +302,7 @@ LONG_8B = {"train.seq_len": 133120, "train.global_batch": 8}  # the preset on 8 
 
 
 def test_a_fit_inside_the_error_band_with_no_symptom_says_it_is_not_evidence_and_names_the_oom_rung(capsys):
-    # Issue 25 item 3: an estimate within its error band of the limit is not evidence that it fits. The answer stays
+    # An estimate within its error band of the limit is not evidence that it fits. The answer stays
     # `none` (nothing says it runs out of memory) but carries the band, where it comes from, "run bench" and the
     # rung a reported OOM gets at the same point (decide.oom_evidence's within_band)
     from curry_train.advice.search import PEAK_ERROR_BAND
@@ -319,7 +319,7 @@ def test_a_fit_inside_the_error_band_with_no_symptom_says_it_is_not_evidence_and
     assert main(["recommend", "--config", "llama3-8b", *sum((["--set", f"{k}={v}"] for k, v in LONG_8B.items()),
                                                              [])]) == 0
     assert "if the measurement runs out of memory, the next rung is cp" in capsys.readouterr().out
-    # plan on the same cluster, sequence and batch keeps its final clear of the band (issue 25.7): CP, with room
+    # plan on the same cluster, sequence and batch keeps its final clear of the band: CP, with room
     from curry_train.advice.planner import plan
 
     p = plan("llama3-8b", 8, 1, 80.0, 133120, 8, gpu="H100")

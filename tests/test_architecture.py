@@ -14,6 +14,7 @@ docs/ARCHITECTURE.md draws the same layers.
 from __future__ import annotations
 
 import ast
+import functools
 import re
 from pathlib import Path
 
@@ -92,11 +93,13 @@ def string_imports(source: str) -> set[str]:
             for m in _MODULE_STRING.finditer(node.value.strip())}
 
 
-def _imports(mod: str, path: Path, strings: bool = True) -> set[str]:
+def _imports(mod: str, path: Path) -> tuple[set[str], set[str]]:
+    """(modules its import statements load, modules its strings load), from one parse of the file."""
     is_pkg = path.name == "__init__.py"
     package = mod if is_pkg else mod.rpartition(".")[0]
+    source = path.read_text(encoding="utf-8")
     out: set[str] = set()
-    tree = ast.parse(path.read_text(encoding="utf-8"))
+    tree = ast.parse(source)
     typing_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and _is_type_checking(node.test)
                    for stmt in node.body for n in ast.walk(stmt)}  # `if TYPE_CHECKING:` imports never run
     for node in ast.walk(tree):
@@ -117,15 +120,25 @@ def _imports(mod: str, path: Path, strings: bool = True) -> set[str]:
             r = _resolve(t)
             if r and r != mod:
                 out.add(r)
-    for t in string_imports(path.read_text(encoding="utf-8")) if strings else ():
-        r = _resolve(t)
-        if r and r != mod:
-            out.add(r)
-    return out
+    strings = {r for t in string_imports(source) if (r := _resolve(t)) and r != mod}
+    return out, strings
 
 
-GRAPH = {m: _imports(m, p) for m, p in MODULES.items()}  # import statements and module strings: the layers
-IMPORT_GRAPH = {m: _imports(m, p, strings=False) for m, p in MODULES.items()}  # statements only: the cycles
+@functools.cache
+def _graphs() -> tuple[dict[str, set[str]], dict[str, set[str]]]:
+    """Built on first use, not at collection: each pytest-xdist worker collects this file, one runs its tests."""
+    both = {m: _imports(m, p) for m, p in MODULES.items()}
+    return {m: a | b for m, (a, b) in both.items()}, {m: a for m, (a, _) in both.items()}
+
+
+def graph() -> dict[str, set[str]]:
+    """Import statements and module strings: the layers."""
+    return _graphs()[0]
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Import statements only: the cycles."""
+    return _graphs()[1]
 
 
 def _layer(mod: str) -> int:
@@ -149,7 +162,7 @@ def _cycles() -> list[list[str]]:
         index[v] = low[v] = len(index)
         stack.append(v)
         on.add(v)
-        for w in IMPORT_GRAPH[v]:
+        for w in import_graph()[v]:
             if w not in index:
                 visit(w)
                 low[v] = min(low[v], low[w])
@@ -166,7 +179,7 @@ def _cycles() -> list[list[str]]:
             if len(comp) > 1:
                 found.append(sorted(comp))
 
-    for v in IMPORT_GRAPH:
+    for v in import_graph():
         if v not in index:
             visit(v)
     return found
@@ -174,13 +187,13 @@ def _cycles() -> list[list[str]]:
 
 def test_the_graph_sees_the_known_edges():
     # A guard against a parser that finds nothing: the test below would then pass vacuously.
-    assert "curry_train.config" in GRAPH["curry_train.estimator"]
-    assert "curry_train.parallel.parallelize" in GRAPH["curry_train.train.loop"]
+    assert "curry_train.config" in graph()["curry_train.estimator"]
+    assert "curry_train.parallel.parallelize" in graph()["curry_train.train.loop"]
     assert any(m.startswith("curry_train_mcp.") for m in MODULES)
-    assert sum(len(v) for v in GRAPH.values()) > 150
+    assert sum(len(v) for v in graph().values()) > 150
     # edges held only in strings: the torchrun command line, the CLI's extension list
-    assert "curry_train.train.rank_main" in GRAPH["curry_train.train.launch"]
-    assert "curry_train_mcp.cli" in GRAPH["curry_train.cli"]
+    assert "curry_train.train.rank_main" in graph()["curry_train.train.launch"]
+    assert "curry_train_mcp.cli" in graph()["curry_train.cli"]
 
 
 def test_strings_that_load_a_module_count_as_imports():
@@ -216,7 +229,7 @@ ESTIMATOR_ORDER = ("mla", "layout", "states", "acts", "pipeline", "moments", "ph
 def test_the_estimator_computes_in_one_direction():
     order = [f"curry_train.estimator.{m}" for m in ESTIMATOR_ORDER]
     assert sorted(order) == sorted(m for m in MODULES if m.startswith("curry_train.estimator."))
-    bad = [f"{m} imports {d}" for i, m in enumerate(order) for d in sorted(IMPORT_GRAPH[m])
+    bad = [f"{m} imports {d}" for i, m in enumerate(order) for d in sorted(import_graph()[m])
            if d.startswith("curry_train.estimator") and (d not in order or order.index(d) >= i)]
     assert bad == [], "\n".join(bad)
     doc = (REPO / "template" / "curry_train" / "estimator" / "__init__.py").read_text(encoding="utf-8")
@@ -226,7 +239,7 @@ def test_the_estimator_computes_in_one_direction():
 
 def test_imports_point_down_the_layers():
     bad = [f"{m} ({LAYERS[_layer(m)][0]}) imports {d} ({LAYERS[_layer(d)][0]})"
-           for m, deps in sorted(GRAPH.items()) for d in sorted(deps) if _layer(d) > _layer(m)]
+           for m, deps in sorted(graph().items()) for d in sorted(deps) if _layer(d) > _layer(m)]
     assert bad == [], "\n".join(bad)
 
 
@@ -241,3 +254,31 @@ def test_no_test_file_is_over_400_lines():
     long = {str(f.relative_to(REPO)): n for f in (REPO / "tests").rglob("*.py")
             if (n := len(f.read_text(encoding="utf-8").splitlines())) > 400}
     assert long == {}
+
+
+# A comment cites the repository's docs (docs/...#section) or a paper, not a tracker the repository does not ship;
+# another project's issue (owner/repo issue N, or its URL) is a citation.
+_ISSUE = re.compile(r"\bissues? #?\d+", re.IGNORECASE)
+_EXTERNAL = re.compile(r"[\w.-]+/[\w.-]+ issues? #?\d+|https?://", re.IGNORECASE)
+
+
+def test_no_source_file_cites_an_issue_number():
+    cites = [f"{f.relative_to(REPO)}:{i}: {line.strip()[:100]}"
+             for top in (*ROOTS.values(), REPO / "tests", REPO / "scripts") for f in sorted(top.rglob("*.py"))
+             for i, line in enumerate(f.read_text(encoding="utf-8").splitlines(), 1)
+             if _ISSUE.search(line) and not _EXTERNAL.search(line)]
+    assert cites == [], "\n".join(cites)
+
+
+def test_ruff_check_is_clean():
+    """The style rules (pyproject.toml [tool.ruff]: line length 120, imports sorted, pyupgrade) hold everywhere."""
+    import shutil
+    import subprocess
+    import sys
+
+    ruff = shutil.which("ruff", path=str(Path(sys.executable).parent)) or shutil.which("ruff")
+    if ruff is None:
+        pytest.skip("ruff is not installed: pip install -e '.[dev]' (scripts/setup.sh does)")
+    r = subprocess.run([ruff, "check", "--quiet", str(REPO)], capture_output=True, text=True, timeout=120,
+                       check=False)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]

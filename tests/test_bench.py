@@ -102,8 +102,7 @@ def test_zero_bubble_fills_idle_time_with_weight_gradients():
 
 
 @pytest.mark.multirank
-def test_a_real_two_rank_bench_through_the_cli_measures_records_and_draws(project, tmp_path, capsys,
-                                                                         torchrun_via_forkserver):
+def test_a_real_two_rank_bench_through_the_cli_measures_records_and_draws(project, tmp_path, capsys):
     """The CLI's bench in this process, its two ranks forked (tests/forkrun.py): the bench through torchrun's
     environment is the MCP stdio tests' (tests/test_mcp_stdio.py), torchrun's own contract tests/test_cli.py's."""
     from curry_train.cli import main

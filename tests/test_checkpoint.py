@@ -139,34 +139,6 @@ def test_resume_in_another_layout_matches_the_uninterrupted_single_device_run(tm
 
 
 @pytest.mark.multirank
-@pytest.mark.slow
-# The CLI path (flags, torchrun, DCP under torchrun's environment) once. The MoE reshard (ep2 DDP -> dp2
-# ZeRO-3) is MOE_PAIRS[0] of the forkserver MoE resume test below: the same rank code, without the launcher.
-@pytest.mark.parametrize(("config", "a", "b"), [
-    ("tiny", ["parallel.dp=2", "parallel.zero=3"], ["parallel.tp=2", "parallel.zero=2"]),
-], ids=["dense-zero3-to-tp2"])
-def test_cli_saves_in_one_layout_and_resumes_in_another_through_torchrun(tmp_path, project, capsys, config, a, b):
-    from curry_train.cli import main
-
-    ck = tmp_path / "ck"
-    base = ["train", "--config", config, "--root", str(project), "--json", "--set", "train.steps=4"]
-
-    def sets(kv: list[str]) -> list[str]:
-        return [x for item in kv for x in ("--set", item)]
-
-    assert main([*base, *sets(a), "--checkpoint-dir", str(ck), "--save-every", "2"]) == 0
-    first = json.loads(capsys.readouterr().out)["metrics"]
-    assert (ck / "step-000002" / "curry_meta.json").is_file()
-    assert main([*base, *sets(b), "--resume", str(ck / "step-000002")]) == 0
-    resumed = json.loads(capsys.readouterr().out)["metrics"]
-    # the uninterrupted single-device run of the same preset (its own schedule, not this file's STEPS)
-    ref = _single(tmp_path, {"train.lr_schedule": "constant", "train.warmup_steps": 0, "train.grad_clip": 0.0},
-                  base=project / "configs" / f"{config}.yaml")["losses"]
-    assert resumed["start_step"] == 2
-    assert first["losses"][:2] + resumed["losses"] == pytest.approx(ref, rel=1e-5)
-
-
-@pytest.mark.multirank
 def test_moe_resume_changes_expert_parallel_and_matches_the_single_device_run(tmp_path):
     from curry_train.train.jobs import rank_jobs
 

@@ -145,7 +145,7 @@ def test_a_lost_checkpoint_stops_the_climb_with_a_clear_error(project, fake_runs
 
 
 @pytest.mark.multirank
-def test_each_rung_resumes_the_previous_rungs_checkpoint_for_real(project, monkeypatch, torchrun_via_forkserver):
+def test_each_rung_resumes_the_previous_rungs_checkpoint_for_real(project, monkeypatch):
     """The real bench, checkpoint and white-box of every rung, their ranks forked (tests/forkrun.py): what is
     tested is the ranks' resume across layouts; the CLI's own resume through torchrun is test_checkpoint.py's."""
     import torch
@@ -296,7 +296,8 @@ async def test_climb_over_mcp_is_the_cli_climb(project, monkeypatch):
     """The `climb` tool runs the CLI's climb in a worker: the same rung the CLI's advisor picks for the measured
     peak, one training run across the rungs (the losses of 3 + 3 steps are the uninterrupted single-device run's,
     as test_each_rung_resumes_the_previous_rungs_checkpoint_for_real checks for the CLI), the same configs and
-    ledger, and a progress notification for every rung."""
+    ledger, and a progress notification for every rung. The worker forks its ranks (tests/forkworker.py): what
+    is tested is the tool and the climb, and torchrun is tests/test_cli.py's."""
     import torch
     from curry_train.store.runs import Ledger
     from curry_train.train.loop import setup, train_step

@@ -23,7 +23,7 @@ from curry_train.estimator import (
     quick_layout,
     rank_need,
 )
-from curry_train.estimator.need import _dominates, rank_ordered
+from curry_train.estimator.need import _dominates, rank_classes, rank_ordered
 from curry_train.estimator.pipeline import _pipe_states, _simulate_pipe, periodic_rounds
 from curry_train.estimator.profiles import get_profile
 
@@ -79,7 +79,7 @@ def test_schedule_states_repeat_after_periodic_rounds():
     assert checked > 100
 
 
-@pytest.mark.slow  # ~40 s of arithmetic over 8,000 layouts: out of the inner loop, and started first under xdist
+@pytest.mark.slow  # ~35 CPU-s of arithmetic over 5,900 layouts: out of the inner loop, and started first under xdist
 def test_the_fast_path_equals_every_rank_on_every_layout_the_planner_evaluates(monkeypatch):
     # every setup of benchmarks/published_layouts.py: every layout `plan` evaluates (each pipeline rank,
     # schedule, HSDP, EP, CP it searches), fast path == every rank, to the byte
@@ -90,17 +90,22 @@ def test_the_fast_path_equals_every_rank_on_every_layout_the_planner_evaluates(m
         return layout_need(x, limit)
 
     monkeypatch.setattr(search_mod, "layout_need", recording)
-    schedules, pp_layouts = set(), 0
+    schedules, pp_layouts, compared = set(), 0, 0
     for setup in SETUPS:
         seen.clear()
         _plan_setup(setup)
         assert seen, setup[0]
         for x in seen:
-            assert layout_need(x) == layout_need_every_rank(x), (setup[0], x)
             if x.pp > 1:
                 pp_layouts += 1
                 schedules.add((x.pp_schedule, x.pp_virtual, x.fsdp and x.zero == 3))
-    assert pp_layouts > 1000 and len(schedules) >= 6
+            # Where the fast path keeps every rank (pp 1, or no rank dominated), layout_need is the max over the
+            # same ranks as layout_need_every_rank, the same expression: comparing them would test nothing.
+            if x.pp == 1 or rank_classes(x) == tuple(range(x.pp)):
+                continue
+            compared += 1
+            assert layout_need(x) == layout_need_every_rank(x), (setup[0], x)
+    assert pp_layouts > 1000 and compared > 1000 and len(schedules) >= 6
 
 
 def test_plans_rows_fit_on_every_rank():

@@ -255,6 +255,7 @@ def test_importing_the_server_does_not_import_torch():
 # ------------------------------------------------------------------------------------------ cancellation
 
 
+@pytest.mark.torchrun  # the worker kills torchrun's process group
 @pytest.mark.multirank
 @pytest.mark.anyio
 async def test_cancelling_a_bench_kills_every_process_it_started(project):
@@ -366,3 +367,17 @@ async def test_capacity_sweep_estimates_the_capacity_under_every_rung(client):
     assert rows["single+recompute"]["max_micro_batch"] > rows["single"]["max_micro_batch"]  # recompute buys batch
     r = await client.call_tool("capacity_sweep", {"config": "tiny", "rungs": ["bogus"]})
     assert r.is_error and "zero3" in _text(r)
+
+
+def test_plans_memory_picture_draws_the_usable_line_the_planner_fitted(monkeypatch):
+    """Without a pipeline the plan's picture is its memory breakdown; its usable line is the plan's own (budget
+    minus the final layout's reserve), not a reserve recomputed for some other layout."""
+    import curry_train.plots as plots
+    from curry_train.advice.planner import plan
+    from curry_train_mcp import brain_tools
+
+    seen = {}
+    monkeypatch.setattr(plots, "memory_breakdown_png", lambda comp, **kw: seen.update(kw) or b"png")
+    p = plan("llama3-8b", 8, 1, 80.0, 8192, 512)
+    assert p.final["pp"] == 1 and brain_tools._plan_png(p) == b"png"
+    assert seen["usable_bytes"] == p.usable_gib * 2**30 and seen["budget_bytes"] == 80.0 * 2**30

@@ -60,7 +60,7 @@ def test_tiny_loss_falls_over_50_steps():
 
 
 def test_a_rank_generates_only_its_own_synthetic_rows_and_gets_the_reference_slices(monkeypatch):
-    """Issue 16: the data path never generates more than the rank needs (row i of step s has its own seed)."""
+    """The data path never generates more than the rank needs (row i of step s has its own seed)."""
     from curry_train.model import data
 
     cfg = load_config(TINY, {"parallel.dp": 2, "parallel.cp": 2, "train.micro_batch": 1})

@@ -1,4 +1,4 @@
-"""Tests never read or write the checkout's configs/ or runs/ (issue 19, item 1): each test has a project root of
+"""Tests never read or write the checkout's configs/ or runs/: each test has a project root of
 its own holding only the shipped presets, so the README's command 1 (a climb that writes configs/local/tiny-climb.yaml
 and configs/local/.history/) followed by command 2 (the tests) passes.
 

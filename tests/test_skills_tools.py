@@ -68,7 +68,7 @@ def test_tool_calls_are_keyword_calls_with_contract_arguments():
 
 
 def _live_server():
-    """The MCPServer object registered in curry_train_mcp.server (issue 7)."""
+    """The MCPServer object registered in curry_train_mcp.server."""
     import curry_train_mcp.server as srv
     from mcp.server import MCPServer
 

@@ -4,6 +4,8 @@ outgrows a batch, the launching tests simply come first. Fake items: only their 
 
 from __future__ import annotations
 
+import pytest
+
 from tests.conftest import _in_lanes
 
 
@@ -41,3 +43,25 @@ def test_without_xdist_or_with_a_lane_too_long_launching_tests_come_first(monkey
     monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "3")
     items, cold = _suite(9, 3, 5, 60)  # 77 tests: batches of 6, and 9 forkserver tests do not fit in one
     assert [it.name for it in _in_lanes(items, cold)][:3] == ["c0", "c1", "c2"]
+
+
+# --------------------------------------------------------------------------- ranks forked unless torchrun
+
+
+@pytest.mark.multirank
+def test_a_multirank_test_forks_its_ranks_by_default():
+    import curry_train.train.launch as launch
+    import curry_train_mcp.jobs as jobs
+
+    from tests.forkrun import ForkJob
+
+    assert launch.start_torchrun is ForkJob and jobs.WORKER == "tests.forkworker"
+
+
+@pytest.mark.multirank
+@pytest.mark.torchrun
+def test_a_test_marked_torchrun_gets_the_real_launcher_and_worker():
+    import curry_train.train.launch as launch
+    import curry_train_mcp.jobs as jobs
+
+    assert launch.start_torchrun.__module__ == "curry_train.train.launch" and jobs.WORKER == "curry_train_mcp.worker"

@@ -1,4 +1,4 @@
-"""The tools as a model and a newcomer meet them (issue 19): they refuse early what this machine cannot run, say
+"""The tools as a model and a newcomer meet them: they refuse early what this machine cannot run, say
 which budget and which machine they describe, keep one vocabulary, and give short, typed, honest answers.
 
     .venv/bin/pytest tests/test_tools_honest.py -q

@@ -33,8 +33,12 @@ def test_the_pool_launches_each_config_steps_and_bug_once(monkeypatch, tmp_path)
     assert len(launched) == 1 and [(v.dp, v.tp) for v in again] == [(1, 2), (2, 1)]  # nothing launched
     pool.whitebox_batch([dp2, dp2], steps=3, out_dir=tmp_path, inject=[None, "ddp-unreduced-grad"])
     assert launched[1] == [(2, 1, 3, None), (2, 1, 3, "ddp-unreduced-grad")]  # other steps, a planted bug: new runs
-    pool.whitebox_batch([cp2, dp2], out_dir=tmp_path)  # steps None: the default horizon, 2 for tiny
-    assert launched[2] == [(1, 1, 2, None)]
+    # steps None: each config's own default horizon (2 for tiny, 3 through a 2-step warm-up), resolved by
+    # whitebox_batch per config and keyed so here: dp2 at 2 steps is pooled, the warm-up config is new
+    warm = load_config(TINY, {"parallel.dp": 2, "train.warmup_steps": 2})
+    pool.whitebox_batch([cp2, dp2, warm], out_dir=tmp_path)
+    assert launched[2] == [(1, 1, None, None), (2, 1, None, None)]
+    pool.whitebox_batch([warm], steps=3, out_dir=tmp_path)  # its default horizon, asked for by number: pooled
     with pytest.raises(ValueError, match="one world size"):  # as whitebox_batch, though dp2 is pooled
         pool.whitebox_batch([dp2, load_config(TINY, {"parallel.dp": 4})], steps=2, out_dir=tmp_path)
     assert len(launched) == 3

@@ -30,12 +30,13 @@ def _key(cfg: Config, steps: int, inject: str | None, target: str | None) -> str
 def whitebox_batch(cfgs: list[Config], *, steps: int | None = None, out_dir: Path, timeout: float = 300.0,
                    inject: str | list[str | None] | None = None, inject_target: str | None = None) -> list[Verdict]:
     """validation.whitebox.whitebox_batch, launching only the configs no earlier call of this process ran."""
-    steps = max(default_steps(c) for c in cfgs) if steps is None else steps  # resolved as whitebox_batch does
-    _wb.check_steps(steps, timeout)
+    per = [default_steps(c) if steps is None else steps for c in cfgs]  # resolved as whitebox_batch does
+    for s in sorted(set(per)):
+        _wb.check_steps(s, timeout)
     if len({c.world_size for c in cfgs}) != 1:  # refused as whitebox_batch does, even when some are pooled
         raise ValueError(f"one launch needs one world size, got {sorted({c.world_size for c in cfgs})}")
     names = inject if isinstance(inject, list) else [inject] * len(cfgs)
-    keys = [_key(c, steps, n, inject_target) for c, n in zip(cfgs, names, strict=True)]
+    keys = [_key(c, s, n, inject_target) for c, s, n in zip(cfgs, per, names, strict=True)]
     todo = [i for i, k in enumerate(keys) if k not in _VERDICTS and k not in keys[:i]]
     LAUNCHED.append(len(todo))
     if todo:

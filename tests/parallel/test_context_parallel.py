@@ -146,7 +146,7 @@ WORLD4 = [
     {"parallel.dp": 2, "parallel.cp": 2, "parallel.zero": 3},  # acceptance: cp folds into FSDP's dp_cp mesh
     {"parallel.cp": 2, "parallel.tp": 2, "parallel.zero": 3},  # acceptance (TP needs FSDP: config.check)
     {"parallel.dp": 2, "parallel.cp": 2},  # DDP over dp x cp
-    {"parallel.cp": 2, "parallel.pp": 2},  # issue 17: cp x pp on the fused ring
+    {"parallel.cp": 2, "parallel.pp": 2},  # cp x pp on the fused ring
 ]
 
 

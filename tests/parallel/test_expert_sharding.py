@@ -1,4 +1,4 @@
-"""Issue 17: FSDP2 shards experts over the expert-data-parallel ranks on a hidden dim when whole experts do not
+"""FSDP2 shards experts over the expert-data-parallel ranks on a hidden dim when whole experts do not
 split evenly (expert_parallel.expert_shard_placement): every rank holds 1/(ep * edp) of the expert weights.
 
     .venv/bin/pytest tests/parallel/test_expert_sharding.py -x -q

@@ -125,7 +125,7 @@ def test_moe_model_has_expert_params_by_name_initialised_by_name_and_an_aux_loss
 
 
 def test_grouped_padded_and_loop_expert_kernels_agree_forward_and_backward():
-    """Issue 17: the GPU kernels (torch._grouped_mm, padded bmm) compute the CPU loop's numbers; an empty group
+    """The GPU kernels (torch._grouped_mm, padded bmm) compute the CPU loop's numbers; an empty group
     included. torch._grouped_mm runs on CPU too (fp32), so all three are checked here."""
     from curry_train.model.experts import Experts
 
@@ -151,7 +151,7 @@ def test_grouped_padded_and_loop_expert_kernels_agree_forward_and_backward():
 
 
 def test_moe_layer_reads_the_host_once_per_forward_and_never_in_backward():
-    """Issue 17: one device-to-host read per MoE layer call (the all-to-all split sizes), none in backward:
+    """One device-to-host read per MoE layer call (the all-to-all split sizes), none in backward:
     no nonzero / item / bincount / one_hot range check / repeat_interleave without output_size."""
     from torch.utils._python_dispatch import TorchDispatchMode
 

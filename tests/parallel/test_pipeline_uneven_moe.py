@@ -1,4 +1,4 @@
-"""Issue 17: uneven pipeline stages (pipeline_split.py), PP x MoE with router losses (moe.AuxLossBackward), the
+"""Uneven pipeline stages (pipeline_split.py), PP x MoE with router losses (moe.AuxLossBackward), the
 PP+DDP+EP expert-gradient fix, and MoE + CP with capacity over whole sequences, against the single-device
 reference through the white-box harness (one forkserver launch per world size).
 

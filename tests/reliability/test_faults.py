@@ -29,7 +29,7 @@ from mcp import Client
 from mcp.server.mcpserver.exceptions import ToolError
 from rel_support import RawServer, text_of, tree, wait_gone
 
-pytestmark = [pytest.mark.multirank, pytest.mark.slow]
+pytestmark = [pytest.mark.multirank, pytest.mark.slow, pytest.mark.torchrun]  # torchrun's tree, killed
 
 FIGURES: list[str] = []
 

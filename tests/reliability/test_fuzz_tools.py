@@ -37,7 +37,7 @@ from curry_train.measure.hardware import HardwareReport
 from curry_train.store.runs import Ledger
 from curry_train_mcp import server as server_mod
 from curry_train_mcp.jobs import WorkerError
-from fuzz_strategies import REAL_KEYS, STRATEGIES, TOOLS, with_defect
+from fuzz_strategies import STRATEGIES, TOOLS, with_defect
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from mcp import Client, StdioServerParameters
@@ -170,11 +170,14 @@ async def _call(client: Client, tool: str, args: dict[str, Any]) -> Any:
 
 
 def _field_names(tool: str, args: Any) -> set[str]:
-    fields = set(server_mod.mcp._tool_manager.get_tool(tool).parameters.get("properties", {}))
-    fields |= {"config", "name", "run", "argument"} | set(REAL_KEYS)
+    """The fields a refusal of this call may name: the arguments it gave (with the keys of a dict argument, e.g. an
+    override), and the required ones it left out. Not every parameter of the tool, nor every config key: an error
+    that names a field the call never touched names the wrong one."""
+    given = set(args) if isinstance(args, dict) else set()
+    fields = given | set(server_mod.mcp._tool_manager.get_tool(tool).parameters.get("required", []))
     for v in (args or {}).values() if isinstance(args, dict) else []:
-        if isinstance(v, dict):
-            fields |= {str(k) for k in v} | set(flatten(v)) if all(isinstance(k, str) for k in v) else set()
+        if isinstance(v, dict) and all(isinstance(k, str) for k in v):
+            fields |= set(v) | set(flatten(v))
     return {f for f in fields if f}
 
 
@@ -280,3 +283,15 @@ def _print_figures() -> None:
                      f"{int(s['launch_reached']):5d} {s['seconds']:7.2f}")
     lines.append("  cases per tool (both transports): " + ", ".join(f"{t}={int(n)}" for t, n in per_tool.items()))
     print("\n".join(lines))
+
+
+def test_the_clear_error_check_fails_an_error_naming_an_untouched_field_or_no_fix():
+    """The check itself can fail: the field must be one the call gave (or a required one it left out), and the fix
+    a whole word of ACTIONABLE ("invalid" or "a list" is no fix)."""
+    args = {"config": "tiny", "steps": 0}
+    fields = _field_names("bench", args)
+    assert "warmup" not in fields and "train.seq_len" not in fields  # a parameter or config key not touched
+    assert_clear_error("bench", args, "steps=0: use steps >= 1", fields)
+    for text in ("warmup=0: use warmup >= 1", "steps=0 is invalid", "steps: not a list"):
+        with pytest.raises(AssertionError):
+            assert_clear_error("bench", args, text, fields)

@@ -338,20 +338,22 @@ def compare_saved(cfg: Config, path: Path, steps: int) -> Verdict:
 def whitebox_batch(cfgs: list[Config], *, steps: int | None = None, out_dir: Path, timeout: float = 300.0,
                    inject: str | list[str | None] | None = None, inject_target: str | None = None) -> list[Verdict]:
     """Tests: run every config of one world size in a single forkserver launch, then compare each. `inject`: one
-    name for all configs, or one per config (None = clean). `steps` None: the largest default_steps of them."""
+    name for all configs, or one per config (None = clean). `steps` None: each config's own default_steps, the
+    horizon `curry-train whitebox` would compare for it alone (each spec carries its steps)."""
     from curry_train.train.jobs import rank_jobs
     from curry_train.train.launch import launch_forkserver
 
-    steps = max(default_steps(c) for c in cfgs) if steps is None else steps
-    check_steps(steps, timeout)
+    per = [default_steps(c) if steps is None else steps for c in cfgs]
+    for s in sorted(set(per)):
+        check_steps(s, timeout)
     worlds = {c.world_size for c in cfgs}
     if len(worlds) != 1:
         raise ValueError(f"one launch needs one world size, got {sorted(worlds)}")
     names = inject if isinstance(inject, list) else [inject] * len(cfgs)
-    specs = [{**_spec(c, steps, str(i), n, inject_target), "out_dir": str(out_dir)}
-             for i, (c, n) in enumerate(zip(cfgs, names, strict=True))]
+    specs = [{**_spec(c, s, str(i), n, inject_target), "out_dir": str(out_dir)}
+             for i, (c, s, n) in enumerate(zip(cfgs, per, names, strict=True))]
     launch_forkserver(rank_jobs, worlds.pop(), specs, timeout=timeout)
-    verdicts = [compare_saved(c, out_dir / f"parallel_{i}.pt", steps) for i, c in enumerate(cfgs)]
+    verdicts = [compare_saved(c, out_dir / f"parallel_{i}.pt", s) for i, (c, s) in enumerate(zip(cfgs, per))]
     for v, n in zip(verdicts, names):
         v.injection = n
     return verdicts
