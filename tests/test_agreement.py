@@ -80,9 +80,20 @@ def test_a_reported_oom_at_the_edge_of_memory_is_believed_and_climbs():
     r = recommend_next("llama3-8b", "oom", ov, gpu="A100-80")
     assert r.memory_before_bytes <= r.usable_bytes  # the estimate alone says it fits ...
     assert r.memory_before_bytes > r.usable_bytes * (1 - PEAK_ERROR_BAND)  # ... inside the error band
-    assert r.evidence == "within_band" and r.action == "add" and r.config_patch
+    assert r.evidence == "within_band" and r.action in ("add", "change") and r.config_patch
     assert r.memory_after_bytes <= r.usable_bytes * (1 - PEAK_ERROR_BAND)  # the rung clears the band
     assert "believed" in r.reason and f"{PEAK_ERROR_BAND:.0%}" in r.reason
+
+
+def test_the_planners_layout_that_lowers_a_primitive_is_a_change_not_an_addition():
+    # llama3-405b's preset (tp8 pp9) with a measured OOM: the answer is the planner's layout under that budget,
+    # which takes pp 9 -> 1 and tp 8 -> 2; calling that "add pp" would tell the user the opposite of the patch
+    r = recommend_next("llama3-405b", "oom", measured_peak_bytes=90 * 10**9)
+    assert r.evidence == "measured" and r.config_patch.get("parallel.pp", 9) < 9
+    assert r.action == "change"
+    for name in ("tiny", "llama3-8b"):  # a single rung up the ladder stays an addition
+        r = recommend_next(name, "oom", measured_peak_bytes=10**13)
+        assert r.action in ("add", "none") and r.action != "change", (name, r.config_patch)
 
 
 def test_an_oom_far_from_the_estimate_asks_for_a_measurement_and_names_the_rung():
@@ -119,7 +130,7 @@ def test_recommend_next_and_plan_never_disagree(name):
             assert p.final[r.primitive] < getattr(par, r.primitive), (name, symptom, p.final)
         elif r.action == "remove" and r.primitive == "recompute":
             assert RECOMPUTE.index(p.final["recompute"]) <= RECOMPUTE.index(par.recompute), (name, p.final)
-        elif r.action == "add":
+        elif r.action in ("add", "change"):
             after = load_any(cfg, r.config_patch, validate=False)
             new = {a.id for a in anti_patterns(after)} - {a.id for a in anti_patterns(cfg)}
             assert not new, (name, symptom, r.config_patch, new)
@@ -322,7 +333,7 @@ def test_a_reported_oom_on_every_preset_climbs_or_names_its_rung(name):
         assert r.action == "none" and "if the measurement confirms it" in r.reason
         assert r.if_confirmed or r.more_gpus_needed or "more GPUs" in r.reason
     else:
-        assert r.action == "add" or r.more_gpus_needed
+        assert r.action in ("add", "change") or r.more_gpus_needed
 
 
 def test_a_long_context_verdict_says_it_rests_on_this_templates_chunked_loss():

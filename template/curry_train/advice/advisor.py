@@ -47,7 +47,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-from curry_train.advice.agree import band_rung
+from curry_train.advice.agree import band_rung, lowers_any
 from curry_train.advice.beyond import OneGpuAnswer, one_gpu_answer
 from curry_train.advice.decide import Alt, Ctx, Primitive, oom_evidence
 from curry_train.advice.tune import decide
@@ -88,7 +88,9 @@ class Alternative(BaseModel):
 class Recommendation(BaseModel):
     """One rung of the ladder: what to add or remove, why (with numbers), and what it should change."""
 
-    action: Literal["add", "remove", "none"] = Field(description="add a primitive, remove one, or change nothing.")
+    action: Literal["add", "remove", "change", "none"] = Field(
+        description="add a primitive, remove one, change the layout (the planner's layout, which raises some "
+                    "primitives and lowers others: config_patch lists them all), or change nothing.")
     primitive: Primitive
     symptom: Symptom
     symptom_source: Literal["given", "derived"]
@@ -179,6 +181,8 @@ def recommend_next(config: str | Path | dict[str, Any] | Config, symptom: Sympto
     primitive, patch, more = d.primitive, d.patch, d.more_gpus
     after = d.after or est
     action = "remove" if d.action == "remove" else ("add" if patch else "none")
+    if action == "add" and lowers_any(cfg.parallel.model_dump(), patch):
+        action = "change"  # e.g. the planner's layout taking pp 9 -> 1 and tp 8 -> 2: no single primitive added
     if_confirmed, caution = d.facts.get("next_patch", {}), ""
     band = band_rung(c) if action == "none" and not evidence else None
     if band is not None:  # a fit this close to the limit is not evidence that it fits: measure it

@@ -56,6 +56,13 @@ def raised(before: dict[str, Any], after: dict[str, Any], with_dp: bool = False)
     return {k for k in keys if amount(after, k) > amount(before, k)}
 
 
+def lowers_any(par: dict[str, Any], patch: dict[str, Any]) -> bool:
+    """Whether `patch` takes any primitive down (dp aside: it moves with every shape): an answer that raises some
+    primitives and lowers others is a change of layout, not the addition of one (advisor.py's action)."""
+    after = {**par, **{k.split(".")[-1]: v for k, v in patch.items() if k.startswith("parallel.")}}
+    return any(amount(after, k) < amount(par, k) for k, _ in RAISES)
+
+
 def cluster_for(cfg: Config, gpus: int) -> tuple[int, int]:
     """(gpus_per_node, nodes) of `gpus` GPUs of cfg's node type: whole nodes, or part of one."""
     gpn = cfg.hardware.gpus_per_node
