@@ -91,7 +91,7 @@ from typing import Any
 import torch
 
 from curry_train.config import Config
-from curry_train.validation.dtypes import policy_failures
+from curry_train.validation.dtypes import bf16_cast_exact, policy_failures  # the bound class of a layout
 from curry_train.validation.routing import route_check, route_summary
 from curry_train.validation.verdict import ParamDiff, Verdict
 
@@ -292,19 +292,6 @@ class _Checker:
             return None, None, rank
         best = max(self.worst.values(), key=lambda rd: rd[0], default=None)
         return (best[1] if best else None), None, None
-
-
-def bf16_cast_exact(cfg: Config, compiled: bool = False) -> bool:
-    """A bf16 layout whose every bf16 operation has the shape the reference's has (docstring, "bfloat16"): the
-    batch is split only at micro-batch boundaries (dp, ZeRO/FSDP, HSDP, pp, recompute), never a matmul's inner
-    or token dimension (tp, cp, ep), and eager: inductor fuses elementwise chains (RMSNorm, RoPE, SiLU * up)
-    and keeps their intermediates in fp32 (torch._inductor.config.emulate_precision_casts is off), so a
-    compiled block rounds to bf16 fewer times than the eager reference, the same class of difference as tp's
-    other partial sums. With the whole block in bf16 (FSDP2's policy on every bf16 layout, no fp32 stream) that
-    difference reaches the grad norm: BF16_COMPILED (measured, tiny compiled, 2 steps: 1 rank and dp2 9.3e-4
-    relative on the grad norm, tp2 7.0e-4; gradients 21% of the 5% L2 bound, activations 25-33%)."""
-    p = cfg.parallel
-    return p.tp == 1 and p.cp == 1 and p.ep == 1 and not compiled
 
 
 def _norm(grads: dict[str, torch.Tensor]) -> float:

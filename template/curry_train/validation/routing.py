@@ -45,7 +45,7 @@ and step, all within 12% of the margin; the logits use <= 29% of their bound; th
 8th token drops its best expert) fails 64 of 64 planted tokens in layer 0, worst 74x the margin.
 
 Where it applies (`flip_aware`): MoE models in bf16 held to the relative bounds, eager. fp32 and the bf16 layouts
-that compute the reference's exact bf16 ops (compare.bf16_cast_exact) record nothing and replay nothing: there
+that compute the reference's exact bf16 ops (dtypes.bf16_cast_exact) record nothing and replay nothing: there
 the router's input differs by fp32 reordering at most (~1e-7 relative), a flip would need a tie that close, and
 a flipped token changes its experts' gradients by O(1), which the fp32 gradient bounds fail as before.
 """
@@ -63,7 +63,7 @@ LAMBDA = 6.0  # Hoeffding: a bound exceeded with probability <= 2 exp(-LAMBDA^2 
 
 def flip_aware(cfg, compiled: bool = False) -> bool:
     """Whether this white-box records and replays routing (module docstring, "Where it applies")."""
-    from curry_train.validation.compare import bf16_cast_exact
+    from curry_train.validation.dtypes import bf16_cast_exact
 
     return (cfg.model.num_experts > 0 and cfg.train.dtype == "bfloat16" and not compiled
             and not bf16_cast_exact(cfg, compiled))
