@@ -85,7 +85,7 @@ def roundings(name: str) -> int:
 class RouteRecorder:
     """Forward hooks on every TopKRouter of `par.parts`; `take()` after each step's forward (every rank)."""
 
-    def __init__(self, par: Any, canonical) -> None:
+    def __init__(self, par: Any, canonical, paused=lambda: False) -> None:
         import torch.distributed as dist
 
         from curry_train.model.data import cp_positions
@@ -93,7 +93,7 @@ class RouteRecorder:
 
         cfg, topo = par.cfg, par.topo
         at = topo.coords(dist.get_rank() if dist.is_initialized() else 0)
-        self.cfg, self.tp, self.tp_rank = cfg, topo.tp, at["tp"]
+        self.cfg, self.tp, self.tp_rank, self.paused = cfg, topo.tp, at["tp"], paused
         self.first_row = at["dp"] * cfg.train.micro_batch * cfg.num_microbatches  # data.micro_batches' rows
         self.positions = cp_positions(cfg.train.seq_len, topo.cp, at["cp"])  # [T / cp]
         self.calls: dict[str, int] = {}
@@ -105,8 +105,8 @@ class RouteRecorder:
         from curry_train.parallel.recompute import host_once
 
         def hook(module, args, kwargs, out) -> None:
-            if not torch.is_grad_enabled() or out.logits is None or out.logits.is_meta:
-                return
+            if self.paused() or not torch.is_grad_enabled() or out.logits is None or out.logits.is_meta:
+                return  # `paused`: not a forward of the step (the activation probe's pipeline shape inference)
             host_once(lambda: self._record(name, int(kwargs.get("batch", 1)), out))  # not in recomputation
         return hook
 

@@ -104,7 +104,7 @@ def parallel_job(spec: dict[str, Any]) -> dict[str, Any]:
             start = checkpoint.load(par, spec["resume"])
             state.update(start=start, loaded_params=gather_full(par, "param"), loaded=optimizer_state_full(par))
         probe = ActivationProbe(par.parts, cfg.model.d_model, canonical_name)
-        recorder = RouteRecorder(par, canonical_name) if flip_aware(cfg, par.compiled) else None
+        recorder = RouteRecorder(par, canonical_name, lambda: probe.paused) if flip_aware(cfg, par.compiled) else None
         names, tokens = probed_names(build_meta_model(cfg)), cfg.train.global_batch * cfg.train.seq_len
         losses, grads, params, replicas, holders, grad_replicas, acts, scalars, lrs, routes = ([] for _ in range(10))
 
