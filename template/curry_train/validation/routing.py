@@ -42,7 +42,8 @@ Judge and replay (reference, `RouteReplay`, installed per micro-batch on the rou
             white-box (512 tokens, 4 experts, 4 layers, 2 steps) a false alarm has probability < 1e-3.
 Measured (tiny-moe in bf16, 2 steps, docs/CPU-DISTRIBUTED.md "bf16"): tp2, tp2 sp, cp2 flip 0-3 tokens per layer
 and step, all within 12% of the margin; the logits use <= 29% of their bound; the planted route-drops-best (every
-8th token drops its best expert) fails 64 of 64 planted tokens in layer 0, worst 74x the margin.
+8th token drops its best expert) fails 64 of 64 planted tokens in layer 0, worst 74x the margin. The margin
+holds a token's K-th and (K+1)-th experts on 8-13% of tokens, its best and (K+1)-th on 0.1-0.9%.
 
 Where it applies (`flip_aware`): MoE models in bf16 held to the relative bounds, eager. fp32 and the bf16 layouts
 that compute the reference's exact bf16 ops (dtypes.bf16_cast_exact) record nothing and replay nothing: there
