@@ -35,8 +35,9 @@ def test_bf16_moe_under_tp_and_cp_passes_with_near_ties_replayed_and_a_wrong_exp
         assert all(c["replayed"] == c["discordant"] <= 8 for c in counts), counts
     # every 8th token drops its best expert: 64 of the 512 tokens of each router, none of them a near tie
     assert not bug.passed and bug.injection == "route-drops-best"
-    assert bug.failures[1].startswith("routing[step 0] layers.0.feed_forward.router: 64 of 512 tokens chose other "
-                                      "experts than the reference beyond the bf16 near-tie margin"), bug.failures[:3]
+    said = ("routing[step 0] layers.0.feed_forward.router: 64 of 512 tokens chose other experts than the reference "
+            "beyond the bf16 near-tie margin")
+    assert any(f.startswith(said) for f in bug.failures), bug.failures[:3]
     assert bug.bound_use["routing_tie"] > 10 and bug.first_diverging_layer == "layers.0", bug.bound_use
     assert bug.worst_parameter.name == "routing[step 0] layers.0.feed_forward.router", bug.worst_parameter
 
