@@ -21,7 +21,8 @@ from tests.whitebox_pool import whitebox_batch
 FIRST_LAYER = {"ddp-unreduced-grad": "layers.2", "tp-sp-norm-unreduced": "layers.0", "ep-expert-unreduced": "layers.0",
                "rank-grad-1pct": "layers.0", "mid-layer-forward": "layers.2", "tp-partial-sum-1pct": "layers.2",
                "tp-ep-router-unreduced": "layers.0",
-               "ep-expert-ep-averaged": "layers.0", "hsdp-expert-no-replica-allreduce": "layers.0"}
+               "ep-expert-ep-averaged": "layers.0", "hsdp-expert-no-replica-allreduce": "layers.0",
+               "route-drops-best": "layers.0"}
 
 
 def _natural(name: str):
@@ -108,7 +109,7 @@ def test_the_catalogue_lists_every_name_with_family_and_layout(capsys):
         "clip-local-norm-tp", "ddp-rank-sum", "lr-warmup-restart", "mid-layer-forward", "cp-loss-unreduced",
         "replicate-reduce-bf16", "fsdp-reduce-bf16", "tp-partial-sum-1pct", "resume-drops-moments", "resume-step-reset",
         "tp-ep-router-unreduced", "tp-ep-tokens-twice",
-        "ep-expert-ep-averaged", "hsdp-expert-no-replica-allreduce"]
+        "ep-expert-ep-averaged", "hsdp-expert-no-replica-allreduce", "route-drops-best"]
     assert all(r["family"] and r["breaks"] and r["layout"] for r in listing())
 
 

@@ -37,6 +37,7 @@ class Routing:
     weights: torch.Tensor  # [N, K] fp32 gate, renormalised over the K choices
     keep: torch.Tensor  # [N, K] bool: slot within its expert's capacity
     aux_loss: torch.Tensor | None  # scalar: coef * load-balance + z_coef * z-loss
+    logits: torch.Tensor | None = None  # [N, E] the fp32 router logits the choice was made on
 
 
 def capacity(num_tokens: int, m: ModelConfig) -> int | None:
@@ -120,6 +121,9 @@ class TopKRouter(nn.Module):
         self.stats_group: Any = None  # set by apply_cp: ranks holding other tokens of the same sequences
         # set by apply_ep under TP + EP: the tp ranks, each routing its own T/tp slice of the same micro-batch
         self.tp_group: Any = None
+        # The white-box reference only (validation/routing.py): (x, w, logits, top_e) -> the top-k to use, the
+        # parallel run's choices on tokens whose top-k it flipped by bf16 rounding. None in every training run.
+        self.replay: Callable[..., torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor, batch: int = 1) -> Routing:  # x [N, D], N = batch * local T
         m = self.m
@@ -131,6 +135,9 @@ class TopKRouter(nn.Module):
         probs = logits.softmax(-1)  # [N, E]
         choose = group_limited(probs, m.route_groups, m.route_top_groups) if m.route_groups > 1 else probs
         top_p, top_e = choose.topk(m.top_k, dim=-1)  # [N, K]
+        if self.replay is not None:
+            top_e = self.replay(x.to(dtype), w.to(dtype), logits, top_e)  # [N, K]
+            top_p = choose.gather(-1, top_e)  # the same entries as topk's where top_e is unchanged
         weights = top_p / top_p.sum(-1, keepdim=True)
         if m.capacity_factor > 0 and comms.group_size(self.stats_group) > 1:  # CP: capacity per whole sequence
             keep = capacity_keep_cp(top_e, batch, m, self.stats_group)
@@ -153,7 +160,7 @@ class TopKRouter(nn.Module):
             # TP + EP: this rank's terms are linear in its local means (f is the micro-batch's), so the loss every
             # tp rank adds is their mean, with 1/tp of this rank's gradient (summed over tp with the weight's)
             aux = comms.group_mean_value(aux, self.tp_group)
-        return Routing(experts=top_e, weights=weights, keep=keep, aux_loss=aux)
+        return Routing(experts=top_e, weights=weights, keep=keep, aux_loss=aux, logits=logits)
 
 
 def group_limited(probs: torch.Tensor, groups: int, top_groups: int) -> torch.Tensor:

@@ -1,4 +1,6 @@
-"""The bf16 policy checked directly: the dtypes every FSDP2 unit holds against the policy parallel/fsdp.py gives it.
+"""The bf16 policy checked directly: the dtypes every FSDP2 unit holds against the policy parallel/fsdp.py gives it;
+and which bf16 layouts compute the reference's exact bf16 ops (`bf16_cast_exact`: compare.py's bound class, and
+whether validation/routing.py judges the routing).
 
 A reduction in bf16 instead of fp32 changes each gradient by ~2^-9 relative, which the relative bf16 bounds of
 tp/cp/ep layouts (validation/compare.py) cannot see; the unit's own dtypes show it in any layout.
@@ -49,3 +51,16 @@ def policy_failures(cfg: Config, units: dict[str, list[str]]) -> list[str]:
     want = f"{torch.float32} {compute} {mp.reduce_dtype or compute}"
     return [f"FSDP unit {unit}: dtypes (master compute reduce) {rows} != the policy's [{want}] (parallel/fsdp.py "
             "fsdp_kwargs)" for unit, rows in sorted(units.items()) if rows and rows != [want]]
+
+
+def bf16_cast_exact(cfg: Config, compiled: bool = False) -> bool:
+    """A bf16 layout whose every bf16 operation has the shape the reference's has (validation/compare.py docstring,
+    "bfloat16"): the batch is split only at micro-batch boundaries (dp, ZeRO/FSDP, HSDP, pp, recompute), never a
+    matmul's inner or token dimension (tp, cp, ep), and eager: inductor fuses elementwise chains (RMSNorm, RoPE,
+    SiLU * up) and keeps their intermediates in fp32 (torch._inductor.config.emulate_precision_casts is off), so a
+    compiled block rounds to bf16 fewer times than the eager reference, the same class of difference as tp's other
+    partial sums. With the whole block in bf16 (FSDP2's policy on every bf16 layout, no fp32 stream) that difference
+    reaches the grad norm: BF16_COMPILED (measured, tiny compiled, 2 steps: 1 rank and dp2 9.3e-4 relative on the
+    grad norm, tp2 7.0e-4; gradients 21% of the 5% L2 bound, activations 25-33%)."""
+    p = cfg.parallel
+    return p.tp == 1 and p.cp == 1 and p.ep == 1 and not compiled

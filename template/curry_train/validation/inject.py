@@ -212,6 +212,14 @@ def _needs_tp_ep(cfg: Config) -> str | None:
     return None
 
 
+def _needs_routed(cfg: Config) -> str | None:
+    m = cfg.model
+    if not m.num_experts or m.top_k >= m.num_experts:
+        return f"needs a routed MoE model (model.num_experts > model.top_k; here num_experts={m.num_experts}, " \
+               f"top_k={m.top_k}): use a MoE config such as tiny-moe"
+    return None
+
+
 def _needs_replicas(cfg: Config) -> str | None:
     if cfg.world_size < 2:
         return "needs more than one rank (a different lr on rank 1 needs a rank 1)"
@@ -308,6 +316,10 @@ CATALOGUE: dict[str, Injection] = {i.name: i for i in (
               "tiny-moe dp=4 ep=2 dp_replicate=2 zero=3",
               {"config": "tiny-moe", "parallel.dp": 4, "parallel.ep": 2, "parallel.dp_replicate": 2,
                "parallel.zero": 3}, r"\.experts\.", _needs_ep_hsdp),
+    Injection("route-drops-best", "MoE", "every 8th token's top-k takes the experts ranked 2..K+1, not 1..K (an "
+              "off-by-one in the selection): no near tie, so the flip-aware bf16 white-box must fail it, not replay "
+              "it", "tiny-moe cp=2 dtype=bfloat16", {"config": "tiny-moe", "parallel.cp": 2, "train.dtype": "bfloat16"},
+              r"router", _needs_routed),
 )}
 
 

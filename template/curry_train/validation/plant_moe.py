@@ -1,5 +1,6 @@
-"""Planters of the catalogue entries for TP with EP (validation/inject.py CATALOGUE; plant.planted applies them,
-imports torch): the router's gradient left un-summed over tp, and every tp rank dispatching the whole sequence.
+"""Planters of the MoE catalogue entries (validation/inject.py CATALOGUE; plant.planted applies them, imports
+torch): under TP with EP the router's gradient left un-summed over tp, and every tp rank dispatching the whole
+sequence; in any layout a top-k that takes the wrong experts for some tokens.
 """
 
 from __future__ import annotations
@@ -30,4 +31,29 @@ def tp_ep_tokens_twice(stack, cfg: Config, target: str | None) -> Planted:
     return Planted()
 
 
-PLANTERS = {"tp-ep-router-unreduced": tp_ep_router_unreduced, "tp-ep-tokens-twice": tp_ep_tokens_twice}
+def route_drops_best(stack, cfg: Config, target: str | None) -> Planted:
+    """An off-by-one in the top-k selection on every rank: every 8th token of each router call (local order)
+    takes the experts ranked 2..K+1 instead of 1..K. Planted through the router's `replay` (model/moe.py), the
+    hook the white-box reference replays near ties with: its best expert is dropped, never a near tie
+    (validation/routing.py must fail it, not excuse it)."""
+    import torch
+
+    from curry_train.model.moe import TopKRouter
+
+    def wrong(x: torch.Tensor, w: torch.Tensor, logits: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
+        N, K = top.shape
+        shifted = logits.topk(K + 1, dim=-1).indices[:, 1:]  # [N, K]: ranks 2..K+1
+        every8 = torch.arange(N, device=top.device) % 8 == 0  # [N]
+        return torch.where(every8[:, None], shifted, top)
+
+    def after(par) -> None:
+        for part in par.parts:
+            for m in part.modules():
+                if isinstance(m, TopKRouter):
+                    m.replay = wrong
+
+    return Planted(after_setup=after)
+
+
+PLANTERS = {"tp-ep-router-unreduced": tp_ep_router_unreduced, "tp-ep-tokens-twice": tp_ep_tokens_twice,
+            "route-drops-best": route_drops_best}

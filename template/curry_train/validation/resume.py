@@ -182,12 +182,12 @@ def resume_verdict(cfg: Config, par_b: dict[str, Any], ckpt: dict[str, torch.Ten
     use["resume_position"] = 0.0 if not wrong and par_b.get("start") == step and lrs == want else 2.0
     single = from_dict({**cfg.to_dict(), "parallel": {}}, validate=False)
     ref = reference(single, steps, list(par_b.get("params") or []), precision_path(cfg.train.dtype), start=step,
-                    init=ckpt)
+                    init=ckpt, routes=par_b.get("routes"))  # bf16 MoE near ties replayed (validation/routing.py)
     vb = compare(cfg, ref, par_b, steps, first=step)
     va = None
     if par_a is not None and cfg_a is not None:
-        va = compare(cfg_a, single_device_reference(cfg_a, step, weights=list(par_a.get("params") or [])), par_a,
-                     step)
+        va = compare(cfg_a, single_device_reference(cfg_a, step, weights=list(par_a.get("params") or []),
+                                                    routes=par_a.get("routes")), par_a, step)
     return _merge(va, vb, failures, use, step, cfg)
 
 
@@ -205,6 +205,7 @@ def _merge(va: Verdict | None, vb: Verdict, failures: list[str], use: dict[str, 
         v.grad_norm_ref, v.grad_norm_parallel = va.grad_norm_ref + vb.grad_norm_ref, \
             va.grad_norm_parallel + vb.grad_norm_parallel
         v.loss_max_diff = max(va.loss_max_diff, vb.loss_max_diff)
+        v.routing = None if va.routing is None and vb.routing is None else (va.routing or []) + (vb.routing or [])
         v.bound_use = {k: max(va.bound_use.get(k, 0.0), v.bound_use.get(k, 0.0)) for k in {*va.bound_use,
                                                                                              *v.bound_use}}
         v.bound_use = dict(sorted(v.bound_use.items()))

@@ -51,5 +51,10 @@ class Verdict(BaseModel):
                                           "checkpoint, its step, which layout saved it and the checks run "
                                           "(saved and loaded state bitwise, step counters and lr position); None "
                                           "for a white-box from the seed.")
+    routing: list[dict[str, dict[str, int]]] | None = Field(None, description="MoE in bf16 under tp/cp/ep "
+                                                           "(validation/routing.py), per step and router: tokens "
+                                                           "compared, discordant (other top-k set or order), flips "
+                                                           "(other set), replayed (near ties), diverged. None: not "
+                                                           "recorded (fp32, exact bf16 layouts).")
     run_id: str | None = None
     wall_s: float = 0.0

@@ -91,6 +91,7 @@ def parallel_job(spec: dict[str, Any]) -> dict[str, Any]:
     from curry_train.train.loop import init_distributed, setup, train_step
     from curry_train.validation.gather import optimizer_state_full
     from curry_train.validation.plant import planted
+    from curry_train.validation.routing import RouteRecorder, flip_aware
 
     cfg = from_dict(spec["config"])
     with deterministic(device_type(cfg)), planted(spec.get("inject"), cfg, spec.get("inject_target"),
@@ -103,11 +104,13 @@ def parallel_job(spec: dict[str, Any]) -> dict[str, Any]:
             start = checkpoint.load(par, spec["resume"])
             state.update(start=start, loaded_params=gather_full(par, "param"), loaded=optimizer_state_full(par))
         probe = ActivationProbe(par.parts, cfg.model.d_model, canonical_name)
+        recorder = RouteRecorder(par, canonical_name, lambda: probe.paused) if flip_aware(cfg, par.compiled) else None
         names, tokens = probed_names(build_meta_model(cfg)), cfg.train.global_batch * cfg.train.seq_len
-        losses, grads, params, replicas, holders, grad_replicas, acts, scalars, lrs = ([] for _ in range(9))
+        losses, grads, params, replicas, holders, grad_replicas, acts, scalars, lrs, routes = ([] for _ in range(10))
 
         def read_grads(loss: torch.Tensor) -> None:  # reads only: the step goes on with the same gradients
             acts.append(probe.take(names, tokens))  # this step's forward, summed over every rank's tokens
+            routes.append(recorder.take() if recorder else None)  # each token's experts (validation/routing.py)
             local = _local_full(par, "grad")  # every rank's reduced gradients, checksummed across replicas too
             grads.append(_merge_on_rank0(par, local))
             grad_replicas.append(replica_copies(local)[0])
@@ -125,6 +128,8 @@ def parallel_job(spec: dict[str, Any]) -> dict[str, Any]:
             replicas.append(copies)
             holders.append(held)
         probe.close()
+        if recorder:
+            recorder.close()
         if spec.get("save"):
             checkpoint.save(par, spec["save"], start + spec.get("steps", 2))
             state["saved"] = optimizer_state_full(par)
@@ -136,7 +141,7 @@ def parallel_job(spec: dict[str, Any]) -> dict[str, Any]:
     if not dist.is_initialized() or dist.get_rank() == 0:
         path = Path(spec["out_dir"]) / f"parallel_{spec.get('tag', 'run')}.pt"
         torch.save({"losses": losses, "grads": grads, "params": params, "replicas": replicas, "lrs": lrs,
-                    "holders": holders, "grad_replicas": grad_replicas, "acts": acts, **state,
+                    "holders": holders, "grad_replicas": grad_replicas, "acts": acts, "routes": routes, **state,
                     "rank_scalars": rank_scalars, "fsdp_dtypes": dtypes, "compiled": par.compiled}, path)
     return {"losses": losses}
 
@@ -145,7 +150,8 @@ def parallel_job(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def reference(cfg: Config, steps: int, weights: list[dict[str, torch.Tensor] | None] | None = None,
-              cast: str = "fp32", start: int = 0, init: dict[str, torch.Tensor] | None = None) -> dict[str, Any]:
+              cast: str = "fp32", start: int = 0, init: dict[str, torch.Tensor] | None = None,
+              routes: list[dict[str, Any] | None] | None = None) -> dict[str, Any]:
     """The single-device reference: same seed, the step's global batch in order in micro-batches of
     train.micro_batch sequences (full length), fp32, plain AdamW, updated by the ranks' own optimizer step
     (train/optim.py optimizer_step: the same clip and lr schedule). On CUDA: one GPU, TF32 off, deterministic.
@@ -165,11 +171,16 @@ def reference(cfg: Config, steps: int, weights: list[dict[str, torch.Tensor] | N
 
     `start`, `init` (validation/resume.py): the steps are start .. start + steps - 1 (their data and lr), from a
     checkpoint read to full tensors ({"model.<name>", "optim.<name>.exp_avg|exp_avg_sq|step"}): its weights and
-    AdamW state are loaded into the reference before the first of them."""
+    AdamW state are loaded into the reference before the first of them.
+
+    `routes` (the parallel run's recorded top-k per step, bf16 MoE layouts held to relative bounds): each step's
+    routers are judged and replay the near ties the parallel run flipped (validation/routing.py); `routing`
+    returns what each step's judge saw."""
     from curry_train.mesh import device_type
     from curry_train.model.data import global_batch
     from curry_train.model.gpt import build_model
     from curry_train.train.optim import adamw_kwargs, optimizer_step
+    from curry_train.validation.routing import RouteReplay
 
     dev = device_type(cfg)
     device = torch.device("cuda", 0) if dev == "cuda" else torch.device("cpu")
@@ -185,7 +196,7 @@ def reference(cfg: Config, steps: int, weights: list[dict[str, torch.Tensor] | N
         opt = torch.optim.AdamW(weights_ref, **adamw_kwargs(weights_ref, cfg))  # the ranks' optimizer arguments
         if init is not None:
             before = _init_from(model, opt, init)
-        losses, grads, params, starts, acts = [], [], [], [], []
+        losses, grads, params, starts, acts, routing = [], [], [], [], [], []
         for i, step in enumerate(range(start, start + steps)):
             if weights is not None and i > 0:
                 _load(model, weights[i - 1] or {})
@@ -193,30 +204,36 @@ def reference(cfg: Config, steps: int, weights: list[dict[str, torch.Tensor] | N
             opt.zero_grad(set_to_none=True)
             inputs, targets = global_batch(cfg, step)  # [global_batch, T]: every sequence of the step
             k = inputs.shape[0] // mb  # micro-batches of mb sequences, in order
-            total = 0.0
-            for i in range(k):
-                x, y = inputs[i * mb:(i + 1) * mb].to(device), targets[i * mb:(i + 1) * mb].to(device)
-                total += _micro_step(model, x, positions, y, cast, k) / k
+            total, rec = 0.0, (routes or [])[i] if i < len(routes or []) else None
+            judge = RouteReplay(rec, mb) if rec is not None else None
+            for j in range(k):
+                x, y = inputs[j * mb:(j + 1) * mb].to(device), targets[j * mb:(j + 1) * mb].to(device)
+                total += _micro_step(model, x, positions, y, cast, k, (lambda m, j=j: judge.install(m, j))
+                                     if judge else None) / k
             losses.append(total)
+            routing.append(judge.stats if judge else None)
             acts.append(probe.take(names, inputs.numel()))
             grads.append({n: p.grad.detach().float().cpu().clone() for n, p in model.named_parameters()})
             optimizer_step(opt, [model], ref_cfg, step)
             params.append({n: p.detach().cpu().clone() for n, p in model.named_parameters()})
     probe.close()
     return {"losses": losses, "grads": grads, "params": params, "params_before": before, "starts": starts,
-            "acts": acts}
+            "acts": acts, "routing": routing}
 
 
 def _micro_step(model: torch.nn.Module, x: torch.Tensor, positions: torch.Tensor, y: torch.Tensor, cast: str,
-                k: int) -> float:
+                k: int, install=None) -> float:
     """One micro-batch (x, y: [mb, T]) of k: forward under the layout's casts (reference docstring), backward of
-    (loss + aux) / k, its gradients added to `model`'s fp32 .grad. Returns the micro-batch's mean loss."""
+    (loss + aux) / k, its gradients added to `model`'s fp32 .grad. Returns the micro-batch's mean loss.
+    `install(module)`: sets the routers' replay on the module that runs (validation/routing.RouteReplay)."""
     from curry_train.model.gpt import aux_loss, lm_loss
 
     run = model
     if cast == "mp":  # FSDP2's units: bf16 parameters, inputs not cast (fsdp.py): the RoPE tables stay fp32
         run = copy.deepcopy(model).to(torch.bfloat16)  # the forward hooks (activation probe) come along
         run.rope_cos, run.rope_sin = model.rope_cos, model.rope_sin
+    if install is not None:
+        install(run)
     if cast == "fp32":
         loss = lm_loss(model(x, positions), y)
     else:  # the model's own (chunked) loss, as the ranks run it: its bf16 head per chunk is part of the casts
@@ -303,8 +320,8 @@ _REFERENCES: dict[str, dict[str, Any]] = {}  # insertion-ordered: the oldest is 
 _MAX_REFERENCES = 16  # a tiny model's reference is a few MB; a test batch shares at most a handful
 
 
-def single_device_reference(cfg: Config, steps: int,
-                            weights: list[dict[str, torch.Tensor] | None] | None = None) -> dict[str, Any]:
+def single_device_reference(cfg: Config, steps: int, weights: list[dict[str, torch.Tensor] | None] | None = None,
+                            routes: list[dict[str, Any] | None] | None = None) -> dict[str, Any]:
     """`reference` of the config with its parallel section reset to one device; memoised per process when it is
     not re-synchronised (`weights` None: the uninterrupted run).
 
@@ -318,7 +335,7 @@ def single_device_reference(cfg: Config, steps: int,
     cast = precision_path(cfg.train.dtype)  # the ranks' bf16 casts, none in fp32
     single = from_dict({**cfg.to_dict(), "parallel": {}}, validate=False)
     if weights is not None:
-        return reference(single, steps, weights, cast)
+        return reference(single, steps, weights, cast, routes=routes)
     key = json.dumps([single.to_dict(), steps, cast], sort_keys=True, default=str)
     if key not in _REFERENCES:
         while len(_REFERENCES) >= _MAX_REFERENCES:
@@ -329,7 +346,8 @@ def single_device_reference(cfg: Config, steps: int,
 
 def compare_saved(cfg: Config, path: Path, steps: int) -> Verdict:
     par = torch.load(path, weights_only=False)
-    verdict = compare(cfg, single_device_reference(cfg, steps, weights=list(par.get("params") or [])), par, steps)
+    ref = single_device_reference(cfg, steps, weights=list(par.get("params") or []), routes=par.get("routes"))
+    verdict = compare(cfg, ref, par, steps)
     verdict.horizon = horizon_note(cfg, steps)
     verdict.compiled = bool(par.get("compiled", False))  # what the ranks ran (train.compile resolved there)
     return verdict
