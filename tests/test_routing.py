@@ -110,3 +110,24 @@ def test_the_docs_and_the_skill_quote_the_margin_the_code_applies():
     first, last = roundings("layers.0.feed_forward.router"), roundings("layers.3.feed_forward.router")
     assert f"({first} in `layers.0`, {last} in `layers.3`)" in doc
     assert "left open" not in doc
+
+
+def test_a_training_run_frees_the_router_logits_and_only_a_recording_keeps_them():
+    # Routing carrying the [N, E] logits kept them alive through the MoE block: the measured activations of
+    # moe-front-tp2-ep2 moved 1.3% (benchmarks/estimator_accuracy.py) until only the recorder turned it on
+    from types import SimpleNamespace
+
+    from curry_train.model.gpt import build_model
+    from curry_train.model.moe import TopKRouter
+    from curry_train.validation.routing import RouteRecorder
+
+    cfg = load_config(MOE)
+    model = build_model(cfg)
+    routers = [m for m in model.modules() if isinstance(m, TopKRouter)]
+    x = torch.randn(8, cfg.model.d_model)
+    assert routers and all(r(x).logits is None for r in routers)
+    topo = SimpleNamespace(tp=1, cp=1, coords=lambda rank: {"dp": 0, "tp": 0, "cp": 0})
+    rec = RouteRecorder(SimpleNamespace(cfg=cfg, topo=topo, parts=[model]), lambda n: n, lambda: True)
+    assert all(r(x).logits.shape == (8, cfg.model.num_experts) for r in routers)
+    rec.close()
+    assert all(r(x).logits is None for r in routers)

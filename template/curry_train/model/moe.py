@@ -124,6 +124,9 @@ class TopKRouter(nn.Module):
         # The white-box reference only (validation/routing.py): (x, w, logits, top_e) -> the top-k to use, the
         # parallel run's choices on tokens whose top-k it flipped by bf16 rounding. None in every training run.
         self.replay: Callable[..., torch.Tensor] | None = None
+        # The white-box recorder only: Routing carries the logits while it is set. A training run leaves it off so
+        # the [N, E] logits are freed when the router returns, as before (the estimator's activations).
+        self.keep_logits = False
 
     def forward(self, x: torch.Tensor, batch: int = 1) -> Routing:  # x [N, D], N = batch * local T
         m = self.m
@@ -160,7 +163,8 @@ class TopKRouter(nn.Module):
             # TP + EP: this rank's terms are linear in its local means (f is the micro-batch's), so the loss every
             # tp rank adds is their mean, with 1/tp of this rank's gradient (summed over tp with the weight's)
             aux = comms.group_mean_value(aux, self.tp_group)
-        return Routing(experts=top_e, weights=weights, keep=keep, aux_loss=aux, logits=logits)
+        kept = logits if self.keep_logits else None
+        return Routing(experts=top_e, weights=weights, keep=keep, aux_loss=aux, logits=kept)
 
 
 def group_limited(probs: torch.Tensor, groups: int, top_groups: int) -> torch.Tensor:

@@ -99,8 +99,10 @@ class RouteRecorder:
         self.positions = cp_positions(cfg.train.seq_len, topo.cp, at["cp"])  # [T / cp]
         self.calls: dict[str, int] = {}
         self.seen: dict[str, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
-        self.handles = [m.register_forward_hook(self._hook(canonical(n)), with_kwargs=True)
-                        for part in par.parts for n, m in part.named_modules() if isinstance(m, TopKRouter)]
+        self.routers = [(n, m) for part in par.parts for n, m in part.named_modules() if isinstance(m, TopKRouter)]
+        for _, m in self.routers:
+            m.keep_logits = True  # Routing carries the logits while recorded (model/moe.py TopKRouter)
+        self.handles = [m.register_forward_hook(self._hook(canonical(n)), with_kwargs=True) for n, m in self.routers]
 
     def _hook(self, name: str):
         from curry_train.parallel.recompute import host_once
@@ -162,6 +164,8 @@ class RouteRecorder:
     def close(self) -> None:
         for h in self.handles:
             h.remove()
+        for _, m in self.routers:
+            m.keep_logits = False
 
 
 # --------------------------------------------------------------------------- reference
