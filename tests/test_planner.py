@@ -202,8 +202,9 @@ def test_megatrons_largest_runs_plan_their_tp_and_the_fewest_stages_within_the_t
     # Narayanan et al. 2021 Table 1 (1T: TP 8 x PP 64 x DP 6) and Smith et al. 2022 (MT-NLG 530B: TP 8 x PP 35 x
     # DP 8). `final` keeps the published TP 8 and ZeRO-1 (Megatron's distributed optimizer); its pipeline is the
     # shortest among the clean rows within the planner's tie band (rules.WITHIN) of the fastest, where the published
-    # pipeline also is (1T: final pp 32 at 88.2 s is #1, the published pp 64 #2 at 1.03x; 530B: the published pp 35
-    # is #1 and final pp 14 within 1.2% of it: the lighter layout, by the ladder's order, of a tie)
+    # pipeline also is (1T: final pp 32 1F1B at 95.8 s, 1.087x the fastest clean row, the lighter schedule of the
+    # band; the published pp 64 zero-bubble #2 at 90.8 s, 0.95x final; 530B: the published pp 35 is #1 and final
+    # pp 14 within 1.2% of it: the lighter layout, by the ladder's order, of a tie)
     from curry_train.rules import WITHIN
 
     p = plan(name, 8, nodes, 80.0, 2048, batch, gpu="A100-80", micro_batch=1, search_micro_batch=True, top=100_000)
