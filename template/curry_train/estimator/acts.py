@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from curry_train.config import loss_chunk_count
-from curry_train.estimator.layout import Layout, block_matmuls
+from curry_train.estimator.layout import LAYOUT_CACHE, Layout, block_matmuls
 from curry_train.estimator.mla import mla_core_out_width, mla_matmuls, mla_saved
 from curry_train.sac_rule import saved_matmuls
 
@@ -49,7 +49,7 @@ class _Acts:
     combine_grad: int = 0
 
 
-@lru_cache(maxsize=8192)
+@lru_cache(maxsize=LAYOUT_CACHE)
 def _acts(layout: Layout) -> _Acts:
     t, sp = layout.tp, layout.sp
     T = layout.seq_len // layout.cp

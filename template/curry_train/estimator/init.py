@@ -21,13 +21,13 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from curry_train.estimator.layout import Layout, _block_tensors, _root_tensors, _Tensor
+from curry_train.estimator.layout import LAYOUT_CACHE, Layout, _block_tensors, _root_tensors, _Tensor
 from curry_train.estimator.pipeline import stage_ids
 from curry_train.estimator.states import _states
 from curry_train.wrapping import chunk_rows, rows_drawn_exactly
 
 
-@lru_cache(maxsize=4096)
+@lru_cache(maxsize=LAYOUT_CACHE)
 def init_peak(layout: Layout, pp_rank: int = 0) -> int:
     """Peak bytes of one pipeline rank while it initialises (see the module docstring)."""
     stages = stage_ids(layout, pp_rank)

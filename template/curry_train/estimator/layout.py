@@ -4,8 +4,7 @@ FLOPs (part of curry_train.estimator; pure arithmetic, no torch).
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property, lru_cache
 from typing import Any
 
@@ -18,6 +17,7 @@ from curry_train.sac_rule import saved_matmuls
 from curry_train.wrapping import data_parallel_wrapper, expert_replicas, fsdp_holds_step, fsdp_replicas, precision_path
 
 GiB = 2**30
+LAYOUT_CACHE = 1 << 15  # per layout-keyed cache: a DeepSeek-V3 plan visits ~10k (layout, rank) keys (8192 thrashed)
 
 
 @dataclass(frozen=True)
@@ -299,7 +299,7 @@ def param_count(cfg: Config) -> int:
 
 def replace_layout(layout: Layout, **fields: Any) -> Layout:
     """The layout with some fields changed (the planner's candidates)."""
-    return dataclasses.replace(layout, **fields)
+    return replace(layout, **fields)
 
 
 def active_params(cfg: Config | Layout) -> int:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from curry_train.estimator import phases
-from curry_train.estimator.layout import Layout
+from curry_train.estimator.layout import LAYOUT_CACHE, Layout
 from curry_train.estimator.moments import (  # re-exported: the facts the breakdown and the tests name
     DDP_GRADS_ARE_BUCKET_VIEWS,
     FSDP_ACCUMULATES_UNSHARDED_UNDER_PP,
@@ -101,7 +101,7 @@ def _on_states(r: RankView, top: Moment) -> _Peak:
                  top.grad_buffers)
 
 
-@lru_cache(maxsize=8192)
+@lru_cache(maxsize=LAYOUT_CACHE)
 def _peak(layout: Layout, pp_rank: int) -> _Peak:
     """The peak of one pipeline rank: the largest of the moments of its step, each split into the components
     memory.py measures (bench folds param copies into params, DDP buckets / FSDP unsharded gradients into

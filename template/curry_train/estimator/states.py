@@ -8,7 +8,7 @@ import heapq
 from dataclasses import dataclass
 from functools import lru_cache
 
-from curry_train.estimator.layout import Layout, _block_tensors, _root_tensors, _Tensor, block_kinds
+from curry_train.estimator.layout import LAYOUT_CACHE, Layout, _block_tensors, _root_tensors, _Tensor, block_kinds
 from curry_train.wrapping import shards_optimizer_only
 
 
@@ -75,7 +75,7 @@ def _states(layout: Layout, stages: list[int]) -> _States:
     return _states_cached(layout, tuple(stages))
 
 
-@lru_cache(maxsize=8192)
+@lru_cache(maxsize=LAYOUT_CACHE)
 def _states_cached(layout: Layout, stages: tuple[int, ...]) -> _States:
     """Parameters, gradients and AdamW state of one pipeline rank: sums per block kind (a MoE model's dense
     first blocks and its MoE blocks; pipeline_split: stages may hold different layer counts)."""
