@@ -131,3 +131,15 @@ def test_a_training_run_frees_the_router_logits_and_only_a_recording_keeps_them(
     assert all(r(x).logits.shape == (8, cfg.model.num_experts) for r in routers)
     rec.close()
     assert all(r(x).logits is None for r in routers)
+
+
+def test_the_memoised_reference_never_drops_recorded_routes():
+    # the uninterrupted reference (no weights) is memoised per model; a call that carries the parallel run's
+    # routes must be judged, not answered from the memo without them
+    from curry_train.validation.whitebox import single_device_reference
+
+    cfg = load_config(MOE, {**LAYOUTS["tp2"], **BF, "train.global_batch": 2})
+    assert single_device_reference(cfg, 1)["routing"] == [None]
+    judged = single_device_reference(cfg, 1, routes=[{}])["routing"][0]  # nothing recorded: every token unrecorded
+    tokens = cfg.train.global_batch * cfg.train.seq_len
+    assert judged and all(st["unrecorded"] == tokens and st["tokens"] == 0 for st in judged.values()), judged

@@ -323,7 +323,7 @@ _MAX_REFERENCES = 16  # a tiny model's reference is a few MB; a test batch share
 def single_device_reference(cfg: Config, steps: int, weights: list[dict[str, torch.Tensor] | None] | None = None,
                             routes: list[dict[str, Any] | None] | None = None) -> dict[str, Any]:
     """`reference` of the config with its parallel section reset to one device; memoised per process when it is
-    not re-synchronised (`weights` None: the uninterrupted run).
+    not re-synchronised (`weights` None: the uninterrupted run) and replays no recorded routing (`routes`).
 
     The reference runs on one device, so it depends on the model, train, data and hardware sections only; it is
     run on the config with `parallel` at its defaults, so that a layout cannot leak into it and the uninterrupted
@@ -334,7 +334,7 @@ def single_device_reference(cfg: Config, steps: int, weights: list[dict[str, tor
 
     cast = precision_path(cfg.train.dtype)  # the ranks' bf16 casts, none in fp32
     single = from_dict({**cfg.to_dict(), "parallel": {}}, validate=False)
-    if weights is not None:
+    if weights is not None or any(r is not None for r in routes or []):  # per run: its weights or its routing
         return reference(single, steps, weights, cast, routes=routes)
     key = json.dumps([single.to_dict(), steps, cast], sort_keys=True, default=str)
     if key not in _REFERENCES:
