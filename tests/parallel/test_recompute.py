@@ -127,7 +127,8 @@ def test_recompute_shrinks_activations_per_block_to_what_the_policy_keeps(one_th
     act = {}
     for layers in (4, 8):
         for mode in ("none", "selective", "full"):
-            cfg = load_config(TINY, {"model.n_layers": layers, "parallel.recompute": mode})
+            # one micro-batch a step: activations are one micro-batch's, whatever the accumulation around it
+            cfg = load_config(TINY, {"model.n_layers": layers, "parallel.recompute": mode, "train.global_batch": 2})
             act[layers, mode] = measure_memory(cfg).activations
     per_block = {mode: (act[8, mode] - act[4, mode]) / 4 for mode in ("none", "selective", "full")}
     m, t = cfg.model, cfg.train
