@@ -54,6 +54,16 @@ os.environ.pop("CURRY_TRAIN_ROOT", None)
 # The shipped presets for tests that only read one (TINY = PRESETS / "tiny.yaml"); never the checkout's configs/.
 PRESETS = shipped_configs(Path(tempfile.mkdtemp(prefix="curry-presets-")) / "configs")
 atexit.register(shutil.rmtree, PRESETS.parent, True)
+PRESET_NAMES = sorted(p.stem for p in PRESETS.glob("*.yaml"))
+# The presets whose plan searches cost 2-10 CPU-s per test on the 2-core machine (benchmarks/suite_cpu.py
+# --per-test): a test parametrised over every preset (preset_cases) checks them in the full suite, out of the
+# inner loop (`-m "not multirank and not slow"`).
+HEAVY_PLANS = frozenset({"deepseek-v3", "gpt3-175b", "megatron-146b", "megatron-1t", "megatron-310b", "mt-nlg-530b"})
+
+
+def preset_cases() -> list[Any]:
+    """Every shipped preset as a parametrize case, the HEAVY_PLANS ones marked slow."""
+    return [pytest.param(n, marks=pytest.mark.slow) if n in HEAVY_PLANS else n for n in PRESET_NAMES]
 
 
 @pytest.fixture(autouse=True)

@@ -18,9 +18,9 @@ from curry_train.advice.tune import REMOVE_GAIN
 from curry_train.estimator import GiB, estimate, load_any
 from curry_train.rules import WITHIN, anti_patterns
 
-from tests.conftest import PRESETS
+from tests.conftest import PRESET_NAMES, PRESETS, preset_cases
 
-NAMES = sorted(p.stem for p in PRESETS.glob("*.yaml"))
+NAMES = PRESET_NAMES
 PUBLISHED = {n for n in NAMES if "Published-run preset" in (PRESETS / f"{n}.yaml").read_text(encoding="utf-8")}
 # the internal words a user never sees in an answer
 INTERNAL = re.compile(r"\bseed\b|\bissue \d+", re.I)
@@ -103,7 +103,7 @@ def test_an_oom_far_from_the_estimate_asks_for_a_measurement_and_names_the_rung(
     assert r.if_confirmed and all(f"{k}={v}" in r.reason for k, v in r.if_confirmed.items())
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", preset_cases())
 def test_recommend_next_and_plan_never_disagree(name):
     """One plan and recommend_next for every symptom per preset (the plans are the costly part, so both families
     of checks read the same ones). Slow never answers worse than no symptom or the plan. More GPUs only when plan
@@ -324,7 +324,7 @@ def test_cli_plan_keeps_the_given_micro_batch_and_searches_on_request():
     assert run("--micro-batch", "8", "--search-micro-batch")["micro_batch_searched"]
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", preset_cases())
 def test_a_reported_oom_on_every_preset_climbs_or_names_its_rung(name):
     r = recommend_next(name, "oom")
     assert r.symptom == "oom" and r.evidence in ("within_band", "unconfirmed", "estimate")

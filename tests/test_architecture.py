@@ -85,7 +85,10 @@ def _docstrings(tree: ast.Module) -> set[int]:
 def string_imports(source: str) -> set[str]:
     """Dotted module names that the source's string constants load (not its docstrings, nor a string a
     comparison tests a name against: `argv[1] == "curry_train.cli"` loads nothing)."""
-    tree = ast.parse(source)
+    return _string_imports(ast.parse(source))
+
+
+def _string_imports(tree: ast.Module) -> set[str]:
     docs = _docstrings(tree) | {id(n) for node in ast.walk(tree) if isinstance(node, ast.Compare)
                                 for n in ast.walk(node)}
     return {m.group(1) or m.group(2) for node in ast.walk(tree)
@@ -120,7 +123,7 @@ def _imports(mod: str, path: Path) -> tuple[set[str], set[str]]:
             r = _resolve(t)
             if r and r != mod:
                 out.add(r)
-    strings = {r for t in string_imports(source) if (r := _resolve(t)) and r != mod}
+    strings = {r for t in _string_imports(tree) if (r := _resolve(t)) and r != mod}  # the same parse
     return out, strings
 
 

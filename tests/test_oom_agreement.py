@@ -24,9 +24,8 @@ from curry_train.advice.search import PEAK_ERROR_BAND
 from curry_train.estimator import estimate, load_any
 from curry_train.rules import WITHIN
 
-from tests.conftest import PRESETS
+from tests.conftest import preset_cases
 
-NAMES = sorted(p.stem for p in PRESETS.glob("*.yaml"))
 MODES = ("none", "selective", "full")
 KEYS = ("zero", "recompute", "tp", "pp", "ep", "cp", "dp_replicate")
 
@@ -46,7 +45,7 @@ def _plan_on(cfg, gpus: int, margin: float):
                 top=1)
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", preset_cases())
 def test_the_oom_rung_lowers_the_peak_and_is_plans_answer_to_the_same_budget(name):
     cfg = load_any(name)
     before = estimate(cfg)
