@@ -16,7 +16,7 @@ import pytest
 from tests.forkrun import ForkJob
 
 # pytest caches each test module's assertion-rewritten code in tests/__pycache__ only while bytecode may be
-# written; under PYTHONDONTWRITEBYTECODE=1 (set on the CI machine) every worker re-parses and rewrites ~90 test
+# written; under PYTHONDONTWRITEBYTECODE=1 (set on the 2-core machine) every worker re-parses and rewrites ~90 test
 # modules at every run, 7 of its 17 CPU-seconds of collection. The modules imported after this line (every test
 # module) are cached from the second run on; the source tree is untouched (__pycache__/ is ignored by git).
 sys.dont_write_bytecode = False
