@@ -275,7 +275,7 @@ def test_bf16_is_proven_against_a_reference_with_the_same_casts(tmp_path):
             load_config(TINY, {"parallel.tp": 2, "train.dtype": "bfloat16"}),
             load_config(moe, {"parallel.dp": 2, "parallel.ep": 2, "parallel.zero": 1, "train.dtype": "bfloat16"}),
             load_config(TINY, {"parallel.dp": 2, "train.dtype": "bfloat16"})]
-    names = [None, None, None, None, "tp-partial-sum-1pct", "fsdp-reduce-bf16", None, None, None,
+    names = [None, None, None, None, "tp-partial-sum-2pct", "fsdp-reduce-bf16", None, None, None,
              "replicate-reduce-bf16"]
     dp, pp, ep, moe_tp, tp_bug, ep_bf16_reduce, zero1, tp, ep_zero1, dp_bf16_reduce = whitebox_batch(
         cfgs, steps=2, out_dir=tmp_path, inject=names)
@@ -286,7 +286,8 @@ def test_bf16_is_proven_against_a_reference_with_the_same_casts(tmp_path):
         assert v.passed and max(v.bound_use.values()) < 0.5, v.bound_use
     # the replicas' all-reduce in bf16: held to the fp32 bounds, it fails them by two orders of magnitude
     assert not dp_bf16_reduce.passed and dp_bf16_reduce.bound_use["grad_elementwise"] > 10, dp_bf16_reduce.bound_use
-    assert not tp_bug.passed and tp_bug.bound_use["grad_norm"] > 1, tp_bug.bound_use  # 1% of one TP partial sum
+    # 2% of one TP partial sum (1% is within bf16's relative bounds on an AMX-BF16 CPU: inject.py's catalogue)
+    assert not tp_bug.passed and tp_bug.bound_use["grad_norm"] > 1, tp_bug.bound_use
     # a bf16 reduction inside ep's relative bounds (it uses what a clean run does) fails on the units' own dtypes
     assert not ep_bf16_reduce.passed and max(ep_bf16_reduce.bound_use.values()) < 0.5
     assert ep_bf16_reduce.failures[0].startswith("FSDP unit "), ep_bf16_reduce.failures

@@ -49,7 +49,9 @@ class Injection:
     breaks: str  # what goes wrong, in one line
     layout: str  # the natural layout it fails on (overrides on tiny / tiny-moe)
     natural: dict[str, Any]  # those overrides, as a dict (config name in "config")
-    touches: str  # regex over reference parameter names the verdict must name, or "rank" for replica divergence
+    # regex over reference parameter names the verdict must name; "rank": replica divergence; "scalar": only a
+    # per-rank scalar fails; "grad_norm": only the global grad norm fails (a bf16 bound: no tensor is named)
+    touches: str
     needs: Callable[[Config], str | None] = field(repr=False, default=lambda cfg: None)  # why it cannot apply
 
 
@@ -291,8 +293,12 @@ CATALOGUE: dict[str, Injection] = {i.name: i for i in (
               {"config": "tiny", "parallel.dp": 2, "parallel.zero": 3, "train.dtype": "bfloat16"}, r".",
               _needs_fsdp_bf16),
     Injection("tp-partial-sum-1pct", "TP", "rank 1's partial sum of the middle block's attention.wo is 1% too "
-              "large before the tp all-reduce (in bf16 too: tests/test_whitebox.py)", "tiny tp=2",
+              "large before the tp all-reduce (fp32: bf16's bounds resolve tp-partial-sum-2pct)", "tiny tp=2",
               {"config": "tiny", "parallel.tp": 2}, r"layers\.2", _needs_tp),
+    Injection("tp-partial-sum-2pct", "bf16", "as tp-partial-sum-1pct, 2% too large, under bf16's relative bounds: "
+              "its grad norm fails them at 2.8x where 1% used 0.93x of them (an AMX-BF16 CPU; 1.4x on an earlier one)",
+              "tiny tp=2 dtype=bfloat16", {"config": "tiny", "parallel.tp": 2, "train.dtype": "bfloat16"},
+              "grad_norm", _needs_tp),
     Injection("resume-drops-moments", "resume", "on resume one tensor's AdamW moments are not loaded (they restart "
               "at 0; the resumed losses move ~1e-6, under the loss-only check)", "tiny tp=2 resumed from dp=2 "
               "zero=3", {"config": "tiny", "parallel.tp": 2}, r"attention_norm"),

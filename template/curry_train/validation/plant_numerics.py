@@ -5,6 +5,7 @@ warm-up boundary, one block's forward, a reported scalar, the bf16 reduction dty
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -66,20 +67,25 @@ def fsdp_reduce_bf16(stack, cfg: Config, target: str | None) -> Planted:
     return Planted()
 
 
-def tp_partial_sum_1pct(stack, cfg: Config, target: str | None) -> Planted:
-    """Rank 1's partial sum of the middle block's row-parallel attention.wo is 1% too large before the tp
-    all-reduce (a partial counted 1.01 times): the block's attention output is ~0.5% off, nothing before it. The
-    hook runs before the module's output redistribution (prepend), on the Partial DTensor."""
-    name = target or f"layers.{cfg.model.n_layers // 2}.attention.wo"
+def tp_partial_sum(factor: float) -> Callable[..., Planted]:
+    """Rank 1's partial sum of the middle block's row-parallel attention.wo is `factor` times too large before the
+    tp all-reduce (1.01: a partial counted 1.01 times): the block's attention output is off by about half of it,
+    nothing before it. The hook runs before the module's output redistribution (prepend), on the Partial DTensor."""
+    label = f"tp-partial-sum-{round((factor - 1) * 100)}pct"
 
-    def scale_partial(mod: torch.nn.Module, args: Any, out: Any) -> Any:
-        from torch.distributed.tensor import DTensor
+    def plant(stack, cfg: Config, target: str | None) -> Planted:
+        name = target or f"layers.{cfg.model.n_layers // 2}.attention.wo"
 
-        if isinstance(out, DTensor) and any(p.is_partial() for p in out.placements):
-            return DTensor.from_local(out.to_local() * 1.01, out.device_mesh, out.placements, run_check=False)
-        raise InjectionError(f"tp-partial-sum-1pct: {name}'s output is not a Partial DTensor here ({type(out)})")
+        def scale_partial(mod: torch.nn.Module, args: Any, out: Any) -> Any:
+            from torch.distributed.tensor import DTensor
 
-    return Planted(after_setup=lambda par: hook_on_rank1(par, name, scale_partial, prepend=True))
+            if isinstance(out, DTensor) and any(p.is_partial() for p in out.placements):
+                return DTensor.from_local(out.to_local() * factor, out.device_mesh, out.placements, run_check=False)
+            raise InjectionError(f"{label}: {name}'s output is not a Partial DTensor here ({type(out)})")
+
+        return Planted(after_setup=lambda par: hook_on_rank1(par, name, scale_partial, prepend=True))
+
+    return plant
 
 
 PLANTERS = {
@@ -88,5 +94,6 @@ PLANTERS = {
     "cp-loss-unreduced": cp_loss_unreduced,
     "replicate-reduce-bf16": fsdp_reduce_bf16,
     "fsdp-reduce-bf16": fsdp_reduce_bf16,
-    "tp-partial-sum-1pct": tp_partial_sum_1pct,
+    "tp-partial-sum-1pct": tp_partial_sum(1.01),
+    "tp-partial-sum-2pct": tp_partial_sum(1.02),
 }
