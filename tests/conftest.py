@@ -166,7 +166,8 @@ _TEST_MODULES: set[str] = set()
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     _TEST_MODULES.update(m for m, mod in sys.modules.items()
                          if str(getattr(mod, "__file__", "") or "").startswith(str(REPO / "tests")))
-    cold: set[int] = set()
+    lane_of: dict[int, int] = {}
+    pool = getattr(sys.modules.get("tests.whitebox_pool"), "whitebox_batch", None)  # imported by the tests using it
     for item in items:
         fn = getattr(item, "function", None)
         if fn is None:
@@ -181,43 +182,55 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.multirank)
         if names & SUBPROCESS and not item.get_closest_marker("slow"):
             item.add_marker(pytest.mark.slow)
-        if not names & FORKSERVER:
-            cold.add(id(item))  # if it launches: lane 2 (_in_lanes)
-    items[:] = _in_lanes(items, cold)
+        pooled = pool is not None and getattr(getattr(item, "module", None), "whitebox_batch", None) is pool
+        lane_of[id(item)] = (POOL if pooled else FORKED) if names & FORKSERVER else COLD  # if it launches
+    items[:] = _in_lanes(items, lane_of)
 
 
-def _in_lanes(items: list[pytest.Item], cold: set[int]) -> list[pytest.Item]:
-    """The run order: two lanes of launching tests, each filling one pytest-xdist worker's first batch, then the
-    other tests, slow ones first.
+# The lanes of launching tests (_in_lanes), in the order the workers take their first batches.
+POOL, COLD, FORKED = 0, 1, 2
 
-    One lane of ranks at a time on 2 cores beat ranks on every worker (409 s and 602 CPU-s against 425 s and 835
-    CPU-s with --dist=worksteal: oversubscribed ranks cost 40% more CPU), but one lane holding every launching test
-    grew to the whole suite's length while the other two workers sat idle (a full run's durations: the 74
-    launching tests, all on one worker, summed to 937 s, the other 1,060 tests to about 260 s).
-    So: lane 1, the tests that name the forkserver pool (torch preloaded once; tests/whitebox_pool.py shares
-    verdicts within it); lane 2, the rest: torchrun, the MCP worker, the fault tests, which mostly wait on cold
-    process starts and deadlines, and the in-process tool runs whose torchrun `_ranks_forked_unless_torchrun` swaps
-    for a forkserver of that worker's own. xdist's load scheduler (pytest-xdist 3.8, LoadScheduling)
-    hands worker k the k-th batch of len(items) // workers // 4 consecutive tests and the rest one by one to
-    whichever worker runs short, so each lane is padded with quick tests to one batch. (--dist=loadgroup would
-    say this by marks, but pytest 9 ignores the node id it rewrites.) Without xdist, or when a lane outgrows a
-    batch, the order is still launching tests first, which only changes how they spread."""
+
+def _in_lanes(items: list[pytest.Item], lane_of: dict[int, int]) -> list[pytest.Item]:
+    """The run order: one lane of launching tests per pytest-xdist worker (three at most), each filling that
+    worker's first batch, then the other tests, slow ones first.
+    Ranks on every worker with no plan cost CPU (409 s and 602 CPU-s with one lane of ranks against 425 s and 835
+    CPU-s with --dist=worksteal: oversubscribed ranks cost 40% more CPU), and one lane holding every launching test
+    grows to the whole suite's length while the other workers sit idle. Two lanes (the forkserver tests, the rest)
+    still left one worker the critical path on the 2-core machine (2026-12-07: 431 s of tests on the forkserver
+    worker, 269 s and 249 s on the others; a 441 s suite whose last 170 s ran the cores at 75%). So three lanes:
+      POOL    the tests whose white-boxes go through tests/whitebox_pool.py, which shares verdicts only within its
+              process (292 s that day);
+      COLD    torchrun, the MCP worker, the fault tests, which mostly wait on cold process starts and deadlines,
+              and the in-process tool runs whose torchrun `_ranks_forked_unless_torchrun` swaps for a forkserver of
+              that worker's own (268 s);
+      FORKED  the other forkserver launches (compiled ranks, memory and checkpoint runs: 138 s), whose worker then
+              takes most of the rest.
+    With two workers FORKED joins COLD. xdist's load scheduler (pytest-xdist 3.8, LoadScheduling) hands worker k
+    the k-th batch of len(items) // workers // 4 consecutive tests and the rest one by one to whichever worker
+    runs short, so each lane is padded with quick tests to one batch. (--dist=loadgroup would say this by marks,
+    but pytest 9 ignores the node id it rewrites.) Without xdist, or when a lane outgrows a batch, the order is
+    still launching tests first, which only changes how they spread."""
     ranks = [it for it in items if it.get_closest_marker("multirank")]
     rest = sorted((it for it in items if not it.get_closest_marker("multirank")),
                   key=lambda it: not it.get_closest_marker("slow"))  # stable: slow first
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))  # set in each xdist worker, which collects
-    lanes = [[it for it in ranks if id(it) not in cold], [it for it in ranks if id(it) in cold]]
+    kinds = [[it for it in ranks if lane_of.get(id(it), POOL) == k] for k in (POOL, COLD, FORKED)]
+    lanes = kinds if workers >= 3 else [kinds[POOL], kinds[COLD] + kinds[FORKED]]
     batch = max(2, len(items) // workers // 4) if workers >= 2 else 0
     if batch < max(map(len, lanes)):
         return ranks + rest
     quick = [it for it in rest if not it.get_closest_marker("slow")]  # the pads come from its end
-    n0, n1 = batch - len(lanes[0]), batch - len(lanes[1])
-    if len(quick) < n0 + n1:
+    need = [batch - len(lane) for lane in lanes]
+    if len(quick) < sum(need):
         return ranks + rest
+    out: list[pytest.Item] = []
     end = len(quick)
-    pads = [quick[end - n0:end], quick[end - n0 - n1:end - n0]]
-    padded = {id(it) for pad in pads for it in pad}
-    return [*lanes[0], *pads[0], *lanes[1], *pads[1], *(it for it in rest if id(it) not in padded)]
+    for lane, n in zip(lanes, need):
+        out += [*lane, *quick[end - n:end]]
+        end -= n
+    padded = {id(it) for it in quick[end:]}
+    return [*out, *(it for it in rest if id(it) not in padded)]
 
 
 class UnmarkedLaunch(RuntimeError):

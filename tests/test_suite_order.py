@@ -1,12 +1,13 @@
-"""The suite's run order (tests/conftest.py, _in_lanes): under xdist each lane of launching tests fills one worker's
-first batch (len(items) // workers // 4 consecutive tests), padded with quick tests; without xdist, or when a lane
-outgrows a batch, the launching tests simply come first. Fake items: only their marks matter."""
+"""The suite's run order (tests/conftest.py, _in_lanes): under xdist each lane of launching tests (the pooled
+white-boxes, the cold starts, the other forkserver launches; the last two share a lane on two workers) fills one
+worker's first batch (len(items) // workers // 4 consecutive tests), padded with quick tests; without xdist, or when
+a lane outgrows a batch, the launching tests simply come first. Fake items: only their marks matter."""
 
 from __future__ import annotations
 
 import pytest
 
-from tests.conftest import _in_lanes
+from tests.conftest import COLD, FORKED, POOL, _in_lanes
 
 
 class Item:
@@ -17,32 +18,43 @@ class Item:
         return mark if mark in self.marks else None
 
 
-def _suite(n_fork: int, n_cold: int, n_slow: int, n_quick: int) -> tuple[list[Item], set[int]]:
+def _suite(n_pool: int, n_cold: int, n_forked: int, n_slow: int, n_quick: int) -> tuple[list[Item], dict[int, int]]:
     quick = [Item(f"q{i}") for i in range(n_quick)]
     slow = [Item(f"s{i}", "slow") for i in range(n_slow)]
-    fork = [Item(f"f{i}", "multirank") for i in range(n_fork)]
+    pool = [Item(f"p{i}", "multirank") for i in range(n_pool)]
     cold = [Item(f"c{i}", "multirank", "slow") for i in range(n_cold)]
-    return [*quick, *cold, *slow, *fork], {id(it) for it in cold}
+    forked = [Item(f"f{i}", "multirank") for i in range(n_forked)]
+    lane_of = {**{id(it): POOL for it in pool}, **{id(it): COLD for it in cold}, **{id(it): FORKED for it in forked}}
+    return [*quick, *cold, *slow, *forked, *pool], lane_of
 
 
 def test_each_lane_fills_one_workers_first_batch(monkeypatch):
-    items, cold = _suite(4, 3, 5, 60)  # 72 tests, 3 workers: batches of 6
+    items, lane_of = _suite(4, 3, 2, 5, 58)  # 72 tests, 3 workers: batches of 6
     monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "3")
-    order = [it.name for it in _in_lanes(items, cold)]
+    order = [it.name for it in _in_lanes(items, lane_of)]
     assert sorted(order) == sorted(it.name for it in items)
-    assert order[:6] == ["f0", "f1", "f2", "f3", "q58", "q59"]  # worker 1: the forkserver lane, quick pads
-    assert order[6:12] == ["c0", "c1", "c2", "q55", "q56", "q57"]  # worker 2: the cold lane
-    assert order[12:17] == [f"s{i}" for i in range(5)]  # then slow first, to whichever worker runs short
+    assert order[:6] == ["p0", "p1", "p2", "p3", "q56", "q57"]  # worker 1: the pooled white-boxes, quick pads
+    assert order[6:12] == ["c0", "c1", "c2", "q53", "q54", "q55"]  # worker 2: the cold lane
+    assert order[12:18] == ["f0", "f1", "q49", "q50", "q51", "q52"]  # worker 3: the other forkserver launches
+    assert order[18:23] == [f"s{i}" for i in range(5)]  # then slow first, to whichever worker runs short
+
+
+def test_on_two_workers_the_forkserver_launches_join_the_cold_lane(monkeypatch):
+    items, lane_of = _suite(4, 3, 2, 5, 58)  # 72 tests, 2 workers: batches of 9
+    monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "2")
+    order = [it.name for it in _in_lanes(items, lane_of)]
+    assert order[:9] == ["p0", "p1", "p2", "p3", "q53", "q54", "q55", "q56", "q57"]
+    assert order[9:18] == ["c0", "c1", "c2", "f0", "f1", "q49", "q50", "q51", "q52"]
 
 
 def test_without_xdist_or_with_a_lane_too_long_launching_tests_come_first(monkeypatch):
-    items, cold = _suite(4, 3, 5, 60)
+    items, lane_of = _suite(4, 3, 2, 5, 58)
     monkeypatch.delenv("PYTEST_XDIST_WORKER_COUNT", raising=False)
-    first = [it.name for it in _in_lanes(items, cold)][:12]
-    assert first == ["c0", "c1", "c2", "f0", "f1", "f2", "f3", "s0", "s1", "s2", "s3", "s4"]
+    first = [it.name for it in _in_lanes(items, lane_of)][:14]
+    assert first == ["c0", "c1", "c2", "f0", "f1", "p0", "p1", "p2", "p3", "s0", "s1", "s2", "s3", "s4"]
     monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "3")
-    items, cold = _suite(9, 3, 5, 60)  # 77 tests: batches of 6, and 9 forkserver tests do not fit in one
-    assert [it.name for it in _in_lanes(items, cold)][:3] == ["c0", "c1", "c2"]
+    items, lane_of = _suite(9, 3, 2, 5, 58)  # 77 tests: batches of 6, and 9 pooled tests do not fit in one
+    assert [it.name for it in _in_lanes(items, lane_of)][:3] == ["c0", "c1", "c2"]
 
 
 # --------------------------------------------------------------------------- ranks forked unless torchrun
