@@ -63,20 +63,20 @@ def _init_peaks(rank: int, world: int, layouts: list) -> list[int]:
 def test_the_estimated_init_peak_is_the_measured_one_on_both_paths():
     from curry_train.estimator import estimate
 
-    def off(layouts: list) -> dict[int, tuple]:
-        measured = launch_forkserver(_init_peaks, 2, layouts, timeout=600)
-        out = {}
-        for i, (base, o) in enumerate(layouts):
-            est = estimate(load_config(base, o)).init_peak_bytes
-            if abs(est - max(per_rank[i] for per_rank in measured)) > 64:
-                out[i] = (o, est, [per_rank[i] for per_rank in measured])
-        return out
-
-    wrong = off(LAYOUTS)
-    if wrong:
-        # a buffer handed to a collective (DDP's broadcast of the initial weights) is freed by gloo's thread when
-        # it completes (measure/tracker.py): on a loaded machine rank 0 can peak with it alive once. That is
-        # timing, not the estimate: a layout off its estimate must be off again in a second launch to fail.
-        again = off([LAYOUTS[i] for i in sorted(wrong)])
-        wrong = {i: wrong[i] for k, i in enumerate(sorted(wrong)) if k in again}
+    # A buffer handed to a collective (DDP's broadcast of the initial weights) is freed by gloo's thread when it
+    # completes (measure/tracker.py): on a loaded machine a rank can peak with it alive (rank 0 at +856 to +1,112
+    # bytes, and off again in a second launch in two of ten runs of this test on the 2-core machine, 2026-12-07).
+    # That is timing, an excess and never a shortfall, while a wrong estimate is wrong in every launch: each
+    # layout's figure is its per-rank minimum over up to three launches, a launch only for the layouts still off.
+    est = [estimate(load_config(base, o)).init_peak_bytes for base, o in LAYOUTS]
+    low: dict[int, list[int]] = {}
+    todo = list(range(len(LAYOUTS)))
+    for _ in range(3):
+        measured = launch_forkserver(_init_peaks, 2, [LAYOUTS[i] for i in todo], timeout=600)
+        for k, i in enumerate(todo):
+            low[i] = [min(pair) for pair in zip(low.get(i, [1 << 62] * 2), (r[k] for r in measured))]
+        todo = [i for i in todo if abs(est[i] - max(low[i])) > 64]
+        if not todo:
+            break
+    wrong = {i: (LAYOUTS[i][1], est[i], low[i]) for i in todo}
     assert not wrong, wrong  # index -> (overrides, estimated, measured per rank)
