@@ -194,7 +194,7 @@ POOL, COLD, FORKED = 0, 1, 2
 def _in_lanes(items: list[pytest.Item], lane_of: dict[int, int]) -> list[pytest.Item]:
     """The run order: one lane of launching tests per pytest-xdist worker (three at most), each filling that
     worker's first batch, then the other tests, slow ones first.
-    Ranks on every worker with no plan cost CPU (409 s and 602 CPU-s with one lane of ranks against 425 s and 835
+    Ranks scattered over every worker cost CPU (409 s and 602 CPU-s with one lane of ranks against 425 s and 835
     CPU-s with --dist=worksteal: oversubscribed ranks cost 40% more CPU), and one lane holding every launching test
     grows to the whole suite's length while the other workers sit idle. Two lanes (the forkserver tests, the rest)
     still left one worker the critical path on the 2-core machine (2026-12-07: 431 s of tests on the forkserver
