@@ -48,20 +48,16 @@ def main(argv: list[str] | None = None) -> int:
         if ledger:
             ledger.finish(rec.run_id, status="failed", error=f"{type(e).__name__}: {e}"[:4000])
         raise
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        import gc
-
-        gc.collect()  # DDP reference cycles alive at destroy abort the process (torch-cpu-distributed.md quirk 1)
-        dist.destroy_process_group()
-    if ledger:
+    if ledger:  # before the teardown: a peer's teardown abort (docs/CPU-DISTRIBUTED.md, quirk 1) cannot lose it
         metrics = {"losses": out["losses"], "first_loss": out["losses"][0], "last_loss": out["losses"][-1],
                    "step_time_s": sorted(out["step_time_s"])[len(out["step_time_s"]) // 2],
                    "world_size": out["world_size"], "device": out["device"], "start_step": out["start_step"],
                    "nodes": int(os.environ.get("GROUP_WORLD_SIZE", "1")), **({"checkpoint": ckpt} if ckpt else {})}
         ledger.finish(rec.run_id, status="ok", metrics=metrics)
         print(json.dumps({"run_id": rec.run_id, **metrics}), flush=True)
+    from curry_train.train.comm_init import end_rank
+
+    end_rank()  # every peer has finished, then the cached groups, DDP's cycles (quirk 1) and the world
     return 0
 
 

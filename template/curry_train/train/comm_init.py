@@ -142,3 +142,20 @@ def destroy_process_group() -> None:
     _shared.clear()
     gc.collect()
     dist.destroy_process_group()
+
+
+def end_rank(reported: bool = True) -> None:
+    """End of a rank whose outcome is already written: wait until every peer has written its own (a barrier), then
+    destroy_process_group. Launchers stop every peer as soon as one process exits non-zero (torchrun's agent,
+    torch's ProcessContext.join: docs/CPU-DISTRIBUTED.md, quirk 6), so a rank that aborts in its teardown (quirk
+    1) while a slower peer still computes - rank 0 merging the gathered results - would lose that peer's result.
+    A rank that failed (`reported=False`) skips the barrier: its launcher stops the peers. A barrier that fails
+    (a peer already gone) only means there is nobody left to wait for."""
+    if not dist.is_initialized():
+        return
+    if reported:
+        try:
+            dist.barrier()
+        except RuntimeError:  # DistBackendError included: a peer gone, nothing left to wait for
+            pass
+    destroy_process_group()

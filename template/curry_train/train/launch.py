@@ -13,10 +13,12 @@ torch preloaded (~0.3 s a launch instead of ~5 s): tests batch many checks into 
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import pickle
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -240,6 +242,7 @@ PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "torch.nn.parallel", "
            "torch.distributed.tensor.parallel", "torch.distributed.fsdp", "torch.distributed.pipelining",
            "curry_train.train.loop", "curry_train.train.jobs"]
 _preloaded = False
+_TEARDOWN_GRACE_S = 10.0  # a rank that has reported and is still in destroy_process_group after this is killed
 
 
 def _fork_worker(rank: int, world: int, port: int, fn: Callable, args: tuple, outdir: str,
@@ -247,10 +250,11 @@ def _fork_worker(rank: int, world: int, port: int, fn: Callable, args: tuple, ou
     import torch
     import torch.distributed as dist
 
-    # The forkserver's environment is the one it started with: pass variables explicitly (quirk 9).
+    # The forkserver's environment is the one it started with: pass variables explicitly (quirk 8).
     os.environ.update(env, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     dist.set_debug_level_from_env()
+    faulthandler.enable(all_threads=True)  # a native crash (SIGSEGV, SIGABRT) prints every thread's Python stack
     torch.set_num_threads(1)  # mp does not set OMP_NUM_THREADS=1 the way torchrun does (quirk 5)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
     try:
@@ -263,9 +267,9 @@ def _fork_worker(rank: int, world: int, port: int, fn: Callable, args: tuple, ou
     os.replace(path + ".tmp", path)
     if not result["ok"]:
         os._exit(1)  # peers may be blocked in a collective: exit now so the launcher kills them at once
-    from curry_train.train.comm_init import destroy_process_group
+    from curry_train.train.comm_init import end_rank
 
-    destroy_process_group()  # the cached groups first, then DDP's cycles (quirk 1), then the world
+    end_rank()  # every peer has reported, then the cached groups, DDP's cycles (quirk 1) and the world
 
 
 def launch_forkserver(fn: Callable, world: int, *args: Any, timeout: float = 180.0,
@@ -278,32 +282,66 @@ def launch_forkserver(fn: Callable, world: int, *args: Any, timeout: float = 180
         mp.set_forkserver_preload(PRELOAD + [fn.__module__])
         _preloaded = True
     outdir = tempfile.mkdtemp(prefix="curry_ranks_")
-    ctx = mp.start_processes(_fork_worker, args=(world, free_port(), fn, args, outdir, env or {}),
-                             nprocs=world, join=False, start_method="forkserver")
-    deadline = time.monotonic() + timeout
     try:
-        while not ctx.join(timeout=0.2):
-            if time.monotonic() > deadline:
-                raise LaunchError(f"{fn.__name__} exceeded {timeout}s on {world} ranks")
-    except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
-        died = f"a rank died: {e}"
-    else:
-        died = ""
+        ctx = mp.start_processes(_fork_worker, args=(world, free_port(), fn, args, outdir, env or {}),
+                                 nprocs=world, join=False, start_method="forkserver")
+        try:
+            died = _await_ranks(ctx.processes, outdir, time.monotonic() + timeout,
+                                f"{fn.__name__} exceeded {timeout}s on {world} ranks")
+        finally:
+            for p in ctx.processes:  # only our own children, by PID
+                if p.is_alive():
+                    p.kill()
+                p.join()
+        results = {r: _result(outdir, r) for r in range(world) if os.path.exists(_result_path(outdir, r))}
     finally:
-        for p in ctx.processes:  # only our own children, by PID
-            if p.is_alive():
-                p.kill()
-    results = {}
-    for r in range(world):
-        path = os.path.join(outdir, f"rank{r}.pkl")
-        if os.path.exists(path):
-            with open(path, "rb") as f:
-                results[r] = pickle.load(f)
+        shutil.rmtree(outdir, ignore_errors=True)
     for r, res in sorted(results.items()):
         if not res["ok"]:
             raise LaunchError(f"rank {r}: {res['error']}\n{res['traceback']}")
-    # Every rank reported its result: a rank that died after that (the teardown abort of docs/CPU-DISTRIBUTED.md,
-    # quirk 1) cost the job nothing, and its exit made torch kill slower peers: only a missing result fails.
     if len(results) < world:
         raise LaunchError(died or f"ranks {sorted(set(range(world)) - set(results))} wrote no result")
     return [results[r]["value"] for r in range(world)]
+
+
+def _result_path(outdir: str, rank: int) -> str:
+    return os.path.join(outdir, f"rank{rank}.pkl")
+
+
+def _result(outdir: str, rank: int) -> dict[str, Any]:
+    with open(_result_path(outdir, rank), "rb") as f:
+        return pickle.load(f)
+
+
+def _await_ranks(procs: list[Any], outdir: str, deadline: float, timed_out: str) -> str:
+    """Wait until every rank has written its result or one has failed -> why the job ended early ("" if not).
+
+    The ranks are watched here rather than by torch's ProcessContext.join, which terminates every peer as soon as
+    one process exits non-zero: a rank that dies in teardown *after* writing its result (gloo / DDP teardown
+    aborts, docs/CPU-DISTRIBUTED.md quirk 1) would then kill a slower peer - rank 0, which merges the white-box's
+    gathered tensors - before it writes, and fail a job that computed everything. A rank that exits non-zero
+    without a result (a native crash) or with an error result fails the job at once: its peers may be blocked
+    in a collective. Once every rank has reported, stragglers get a short grace to finish their teardown."""
+    from multiprocessing.connection import wait
+
+    while True:
+        codes = [p.exitcode for p in procs]  # before the results: a rank writes its result before it exits
+        reported = {r for r in range(len(procs)) if os.path.exists(_result_path(outdir, r))}
+        for r, code in enumerate(codes):
+            if code in (None, 0):
+                continue
+            how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+            if r not in reported:
+                return f"a rank died: rank {r} ended with {how} before writing its result"
+            if not _result(outdir, r)["ok"]:
+                return ""  # its error is the job's error
+        running = [p.sentinel for p, code in zip(procs, codes, strict=True) if code is None]
+        if not running or len(reported) == len(procs):
+            grace = time.monotonic() + _TEARDOWN_GRACE_S
+            while running and time.monotonic() < grace:  # wait() returns when any one of them ends
+                wait(running, timeout=grace - time.monotonic())
+                running = [p.sentinel for p in procs if p.exitcode is None]
+            return ""
+        if time.monotonic() > deadline:
+            raise LaunchError(timed_out)
+        wait(running, timeout=0.2)

@@ -276,13 +276,11 @@ def main(argv: list[str] | None = None) -> int:
     out = run_training(cfg, log=lambda rec: print(json.dumps(rec), file=sys.stderr, flush=True),
                        checkpoint_dir=a.checkpoint_dir, save_every=a.save_every, resume=a.resume,
                        keep_last=a.keep_last)
-    is_rank0 = rank() == 0
-    if dist.is_initialized():
-        from curry_train.train.comm_init import destroy_process_group
-
-        destroy_process_group()  # the cached groups first, then DDP's cycles (quirk 1), then the world
-    if is_rank0:
+    if rank() == 0:
         print(json.dumps({"first_loss": out["losses"][0], "last_loss": out["losses"][-1]}), file=sys.stderr)
+    from curry_train.train.comm_init import end_rank
+
+    end_rank()  # every peer has finished, then the cached groups, DDP's cycles (quirk 1) and the world
     return 0
 
 

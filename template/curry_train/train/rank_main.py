@@ -29,9 +29,9 @@ def main(spec_path: str) -> int:
     tmp.write_text(json.dumps(result), encoding="utf-8")
     os.replace(tmp, out / f"rank{rank}.json")
     if dist.is_initialized():
-        from curry_train.train.comm_init import destroy_process_group
+        from curry_train.train.comm_init import end_rank
 
-        destroy_process_group()  # the cached groups first, then DDP's cycles (quirk 1), then the world
+        end_rank(result["ok"])  # every peer has reported, then the cached groups, DDP's cycles (quirk 1), the world
     return 0 if result["ok"] else 1
 
 
