@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 
 import pytest
 from curry_train.train.launch import LaunchError, launch_forkserver
@@ -86,7 +87,7 @@ def test_a_rank_that_dies_after_reporting_while_a_slower_peer_computes_does_not_
 
 
 def test_a_rank_tears_down_only_after_every_peer_has_reported(tmp_path):
-    """comm_init.end_rank's barrier: rank 1's teardown begins after rank 0's result, so a teardown abort there
+    """comm_init.end_rank's wait on the store: rank 1's teardown begins after rank 0's result, so a teardown abort there
     (quirk 1) cannot end the job early under torchrun either, whose agent stops every peer of a dead rank."""
     rank0_done, _ = launch_forkserver(_teardown_times, 2, str(tmp_path), timeout=120)
     assert float((tmp_path / "rank1").read_text()) >= rank0_done
@@ -97,3 +98,10 @@ def test_a_rank_that_dies_before_reporting_fails_the_launch_at_once_naming_it_an
     with pytest.raises(LaunchError, match="rank 1 ended with signal SIGABRT before writing its result"):
         launch_forkserver(_abort_before_reporting, 2, timeout=120)
     assert time.monotonic() - start < 50  # not the peer's 60 s nor the timeout: the peer is killed
+
+
+def test_the_docs_quote_the_launchers_teardown_grace():
+    from curry_train.train import launch
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "CPU-DISTRIBUTED.md").read_text(encoding="utf-8")
+    assert f"stragglers get {launch._TEARDOWN_GRACE_S:g} s to finish their teardown" in " ".join(doc.split())

@@ -145,17 +145,24 @@ def destroy_process_group() -> None:
 
 
 def end_rank(reported: bool = True) -> None:
-    """End of a rank whose outcome is already written: wait until every peer has written its own (a barrier), then
+    """End of a rank whose outcome is already written: wait until every peer has written its own, then
     destroy_process_group. Launchers stop every peer as soon as one process exits non-zero (torchrun's agent,
     torch's ProcessContext.join: docs/CPU-DISTRIBUTED.md, quirk 6), so a rank that aborts in its teardown (quirk
     1) while a slower peer still computes - rank 0 merging the gathered results - would lose that peer's result.
-    A rank that failed (`reported=False`) skips the barrier: its launcher stops the peers. A barrier that fails
-    (a peer already gone) only means there is nobody left to wait for."""
+
+    The wait is on the world's store, not a collective barrier: on NCCL a rank held in a barrier for longer than the
+    group's timeout (comm.train_timeout_s) while rank 0 merges a large result would be aborted by the watchdog,
+    the very failure this prevents; a store wait is host-side, bounded by the world's init timeout, and raises.
+    A rank that failed (`reported=False`) does not wait: its launcher stops the peers. A wait that fails (a peer
+    or the store's host already gone) only means there is nobody left to wait for."""
     if not dist.is_initialized():
         return
-    if reported:
+    world = dist.get_world_size()
+    if reported and world > 1:
+        store = dist.distributed_c10d._get_default_store()
+        store.set(f"curry_train/reported/{dist.get_rank()}", "1")
         try:
-            dist.barrier()
-        except RuntimeError:  # DistBackendError included: a peer gone, nothing left to wait for
+            store.wait([f"curry_train/reported/{r}" for r in range(world)])
+        except RuntimeError:  # DistStoreError included: a peer gone, nothing left to wait for
             pass
     destroy_process_group()

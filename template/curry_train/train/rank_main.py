@@ -17,8 +17,6 @@ def main(spec_path: str) -> int:
     spec = json.loads(Path(spec_path).read_text(encoding="utf-8"))
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     out = Path(spec["out_dir"])
-    import torch.distributed as dist
-
     from curry_train.train.jobs import rank_job
 
     try:
@@ -28,10 +26,9 @@ def main(spec_path: str) -> int:
     tmp = out / f".rank{rank}.json.tmp"
     tmp.write_text(json.dumps(result), encoding="utf-8")
     os.replace(tmp, out / f"rank{rank}.json")
-    if dist.is_initialized():
-        from curry_train.train.comm_init import end_rank
+    from curry_train.train.comm_init import end_rank
 
-        end_rank(result["ok"])  # every peer has reported, then the cached groups, DDP's cycles (quirk 1), the world
+    end_rank(result["ok"])  # every peer has reported, then the cached groups, DDP's cycles (quirk 1), the world
     return 0 if result["ok"] else 1
 
 
