@@ -27,6 +27,7 @@ import tempfile
 import threading
 import time
 import traceback
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -39,9 +40,19 @@ class LaunchError(RuntimeError):
 
 
 def free_port() -> int:
+    """A port free now. Whoever binds it must do so at once: any socket on the machine may take it meanwhile (for
+    torchrun use `local_rendezvous`, whose agent binds its own)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def local_rendezvous() -> list[str]:
+    """torchrun's arguments for a job on this machine alone: the agent's rendezvous store binds a port the OS picks
+    (port 0) and the ranks connect to it. A port chosen here and passed as --master-port is bound by the agent only
+    after its cold start, seconds later, and another job's socket can take it meanwhile (EADDRINUSE in the agent:
+    docs/CPU-DISTRIBUTED.md, quirk 10)."""
+    return ["--nnodes=1", "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0", f"--rdzv-id={uuid.uuid4().hex}"]
 
 
 # ------------------------------------------------------------------------------------------ process tree
@@ -201,8 +212,8 @@ def start_torchrun(spec: dict[str, Any], nproc: int, run_dir: Path, *, env: dict
     spec_path.write_text(json.dumps({**spec, "out_dir": str(run_dir)}), encoding="utf-8")
     log_path = run_dir / "ranks.log"
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc-per-node={nproc}",
-        "--master-addr=127.0.0.1", f"--master-port={free_port()}", "--max-restarts=0",
+        sys.executable, "-m", "torch.distributed.run", *local_rendezvous(), f"--nproc-per-node={nproc}",
+        "--max-restarts=0",
         "-m", "curry_train.train.rank_main", str(spec_path),
     ]
     child_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **comm_env(spec, run_dir),
