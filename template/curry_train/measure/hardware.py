@@ -267,15 +267,13 @@ def measure_performance(report: HardwareReport, *, timeout: float = 300.0, cance
     import subprocess
     import tempfile
 
-    from curry_train.train.launch import Job, local_rendezvous
+    from curry_train.train.launch import Job, local_torchrun
 
     nproc = report.gpu_count or min(2, report.cpu_count)
     run_dir = Path(run_dir or tempfile.mkdtemp(prefix="curry_probe_"))
     run_dir.mkdir(parents=True, exist_ok=True)
     log_path = run_dir / "ranks.log"
-    cmd = [sys.executable, "-m", "torch.distributed.run", *local_rendezvous(), f"--nproc-per-node={nproc}",
-           "--max-restarts=0",
-           "-m", "curry_train.measure.hardware", "--rank-measure", str(run_dir)]
+    cmd = [*local_torchrun(nproc), "-m", "curry_train.measure.hardware", "--rank-measure", str(run_dir)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,

@@ -41,18 +41,20 @@ class LaunchError(RuntimeError):
 
 def free_port() -> int:
     """A port free now. Whoever binds it must do so at once: any socket on the machine may take it meanwhile (for
-    torchrun use `local_rendezvous`, whose agent binds its own)."""
+    torchrun use `local_torchrun`, whose agent binds its own)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def local_rendezvous() -> list[str]:
-    """torchrun's arguments for a job on this machine alone: the agent's rendezvous store binds a port the OS picks
-    (port 0) and the ranks connect to it. A port chosen here and passed as --master-port is bound by the agent only
-    after its cold start, seconds later, and another job's socket can take it meanwhile (EADDRINUSE in the agent:
-    docs/CPU-DISTRIBUTED.md, quirk 10)."""
-    return ["--nnodes=1", "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0", f"--rdzv-id={uuid.uuid4().hex}"]
+def local_torchrun(nproc: int) -> list[str]:
+    """The torchrun command for `nproc` ranks on this machine alone, up to the module it runs: the agent's
+    rendezvous store binds a port the OS picks (c10d at port 0) and the ranks connect to it. A port chosen here and
+    passed as --master-port is bound by the agent only after its cold start, seconds later, and another job's
+    socket can take it meanwhile (EADDRINUSE in the agent: docs/CPU-DISTRIBUTED.md, quirk 10)."""
+    return [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--rdzv-backend=c10d",
+            "--rdzv-endpoint=127.0.0.1:0", f"--rdzv-id={uuid.uuid4().hex}", f"--nproc-per-node={nproc}",
+            "--max-restarts=0"]
 
 
 # ------------------------------------------------------------------------------------------ process tree
@@ -211,11 +213,7 @@ def start_torchrun(spec: dict[str, Any], nproc: int, run_dir: Path, *, env: dict
     spec_path = run_dir / "spec.json"
     spec_path.write_text(json.dumps({**spec, "out_dir": str(run_dir)}), encoding="utf-8")
     log_path = run_dir / "ranks.log"
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", *local_rendezvous(), f"--nproc-per-node={nproc}",
-        "--max-restarts=0",
-        "-m", "curry_train.train.rank_main", str(spec_path),
-    ]
+    cmd = [*local_torchrun(nproc), "-m", "curry_train.train.rank_main", str(spec_path)]
     child_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **comm_env(spec, run_dir),
                  **(env or {})}
     with open(log_path, "wb") as log:
